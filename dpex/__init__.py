@@ -1,0 +1,29 @@
+"""dpex: torch's DataLoader with its preprocessing on a Ray cluster.
+
+``DpexDataLoader(dataset, ..., distribute_mode=True)`` yields exactly the batches
+torch's DataLoader would, computed by Ray actors and streamed over ZeroMQ.
+"""
+
+from dpex._config import DpexConfig
+from dpex._version import __version__
+from dpex.dataloader import DpexDataLoader
+from dpex.errors import (
+    DatasetNotPicklableError,
+    DpexError,
+    ProtocolError,
+    RayConnectionError,
+    WorkerDiedError,
+    WorkerStartupError,
+)
+
+__all__ = [
+    "DpexDataLoader",
+    "DpexConfig",
+    "DpexError",
+    "RayConnectionError",
+    "DatasetNotPicklableError",
+    "WorkerStartupError",
+    "WorkerDiedError",
+    "ProtocolError",
+    "__version__",
+]

@@ -1,0 +1,35 @@
+"""The arguments dpex adds to torch's DataLoader, validated in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DpexConfig"]
+
+
+@dataclass(frozen=True)
+class DpexConfig:
+    """dpex's own loader settings.
+
+    ``distribute_mode``: run workers as Ray actors (``num_workers > 0``).
+    ``head_address``: Ray cluster to join; ``"auto"`` joins a running one or starts a local one.
+    ``ray_remote_args``: actor options (``num_cpus``, ``resources``, ``runtime_env``, scheduling).
+    ``startup_timeout``: seconds the workers may take to start; not counted in ``timeout``.
+    """
+
+    distribute_mode: bool = False
+    head_address: str = "auto"
+    ray_remote_args: Mapping[str, Any] = field(default_factory=dict)
+    startup_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.distribute_mode, bool):
+            raise TypeError(f"distribute_mode must be a bool, got {self.distribute_mode!r}")
+        if not isinstance(self.head_address, str) or not self.head_address:
+            raise ValueError(f"head_address must be a non-empty string, got {self.head_address!r}")
+        if not isinstance(self.ray_remote_args, Mapping):
+            raise TypeError(f"ray_remote_args must be a dict, got {type(self.ray_remote_args).__name__}")
+        if not self.startup_timeout > 0:
+            raise ValueError(f"startup_timeout must be > 0 seconds, got {self.startup_timeout!r}")

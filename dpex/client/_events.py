@@ -1,0 +1,32 @@
+"""What crosses from the loop thread (and Ray callbacks) to the training thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["WorkerHello", "WorkerExit", "LoopFailure"]
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """A worker connected and is ready for tasks."""
+
+    worker_id: int
+    info: dict
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """A worker's ``serve`` call ended: ``error`` is None for a clean stop."""
+
+    worker_id: int
+    error: BaseException | None
+
+
+@dataclass(frozen=True)
+class LoopFailure:
+    """The loop thread hit an error it cannot recover from."""
+
+    error: BaseException
+    where: Any = None

@@ -1,0 +1,284 @@
+"""The synchronous iterator a training loop sees, over the asyncio core.
+
+The sampler stays here, on the training thread, drawn lazily as credits allow
+(exactly where torch draws it). Tasks go to the loop thread with one
+``call_soon``; results come back on one thread-safe queue, are placed in the
+ordering buffer and released in sequence order.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import secrets
+import time
+import weakref
+from typing import Any
+
+import ray
+from torch.utils.data import _utils
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from dpex._event_loop import LoopThread
+from dpex._protocol import Kind, Message
+from dpex._ray_connect import connect_ray, node_address
+from dpex._version import local_versions
+from dpex.client._credits import CreditWindow
+from dpex.client._events import LoopFailure, WorkerExit, WorkerHello
+from dpex.client._ordering import OrderingBuffer
+from dpex.client._session import TrainerSession
+from dpex.client._shipping import ship_loader
+from dpex.client._workers import WorkerGroup, actor_options
+from dpex.errors import DpexError, WorkerDiedError, WorkerStartupError
+from dpex.server._worker_state import ShippedLoader, WorkerSpec
+
+__all__ = ["RayDataLoaderIter"]
+
+# How often a wait with no timeout wakes up to check that the loop thread lives.
+_POLL_S = 5.0
+_iterator_ids = itertools.count()
+
+
+class _Runtime:
+    """Everything one iterator started: loop thread, sockets, actors. Idempotent close."""
+
+    def __init__(self, name: str, handoff: queue.SimpleQueue, options: dict) -> None:
+        self.loop = LoopThread(name)
+        self.session = TrainerSession(secrets.token_bytes(16), node_address(), handoff)
+        self.workers = WorkerGroup(options, handoff)
+        self.closed = False
+
+    def open(self) -> None:
+        self.loop.start()
+        self.loop.run(self.session.open(), timeout=10.0)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.workers.stop()
+        self.loop.stop(cleanup=self.session.close)
+
+
+class RayDataLoaderIter(_BaseDataLoaderIter):
+    """Iterator of a ``DpexDataLoader`` with ``distribute_mode=True, num_workers > 0``."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(loader)
+        self._prefetch_factor = loader.prefetch_factor
+        self._in_order = loader.in_order
+        self._startup_timeout = float(loader.startup_timeout)
+        connect_ray(loader.head_address)
+        shipped = ship_loader(ShippedLoader(
+            dataset=self._dataset, dataset_kind=self._dataset_kind,
+            auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+            drop_last=self._drop_last, worker_init_fn=loader.worker_init_fn,
+        ))
+        self._handoff: queue.SimpleQueue = queue.SimpleQueue()
+        name = f"dpex-loop-{next(_iterator_ids)}"
+        self._runtime = _Runtime(name, self._handoff, actor_options(loader.ray_remote_args))
+        self._finalizer = weakref.finalize(self, self._runtime.close)
+        self._session = self._runtime.session
+        self._loop = self._runtime.loop
+        try:
+            self._runtime.open()
+            specs = [
+                WorkerSpec(
+                    session_id=self._session.session_id, worker_id=w,
+                    num_workers=self._num_workers, base_seed=self._base_seed,
+                    data_address=self._session.data_address,
+                    control_address=self._session.control_address,
+                    trainer_versions=local_versions(),
+                )
+                for w in range(self._num_workers)
+            ]
+            self._startup_deadline = time.monotonic() + self._startup_timeout
+            self._runtime.workers.start(specs, ray.put(shipped))
+        except BaseException:
+            self._runtime.close()
+            raise
+        self._ready: dict[int, dict] = {}
+        self._credits = CreditWindow(self._prefetch_factor * self._num_workers)
+        self._buffer = OrderingBuffer(self._in_order)
+        self._epoch = 0
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._reset(loader, first_iter=True)
+
+    # -- epochs and dispatch -------------------------------------------------
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        self._epoch += 1
+        self._buffer.reset()
+        self._credits.reset()
+        self._task_worker: dict[int, int] = {}
+        self._send_idx = 0
+        self._active = [True] * self._num_workers
+        self._worker_cycle = itertools.cycle(range(self._num_workers))
+        if not first_iter:
+            for w in range(self._num_workers):
+                self._loop.call_soon(self._session.send, w, Kind.RESUME, self._epoch)
+        self._dispatch(self._credits.capacity)
+
+    def _next_active_worker(self) -> int | None:
+        for _ in range(self._num_workers):
+            w = next(self._worker_cycle)
+            if self._active[w]:
+                return w
+        return None
+
+    def _dispatch(self, n: int) -> None:
+        """Draw up to ``n`` index batches, as credits allow, and send them as tasks."""
+        tasks: dict[int, list[tuple[int, Any]]] = collections.defaultdict(list)
+        for _ in range(n):
+            if not self._credits.available:
+                break
+            try:
+                index = self._next_index()
+            except StopIteration:
+                break
+            w = self._next_active_worker()
+            if w is None:
+                break  # as torch: the drawn index is dropped once every worker is done
+            self._credits.acquire()
+            seq, self._send_idx = self._send_idx, self._send_idx + 1
+            self._task_worker[seq] = w
+            tasks[w].append((seq, index))
+        for w, batch in tasks.items():
+            self._loop.call_soon(self._session.send_tasks, w, self._epoch, batch)
+
+    # -- consuming -------------------------------------------------------------
+
+    def _consume(self, seq: int) -> None:
+        self._task_worker.pop(seq, None)
+        self._credits.release()
+        self._dispatch(1)
+
+    def _pop_ready(self) -> tuple[int, Message] | None:
+        # Slots given to an IterableDataset worker that is already exhausted hold nothing.
+        while self._buffer.next_seq < self._send_idx:
+            seq = self._buffer.next_seq
+            if seq in self._buffer or self._active[self._task_worker[seq]]:
+                break
+            self._buffer.skip(seq)
+            self._consume(seq)
+        return self._buffer.pop()
+
+    def _next_data(self) -> Any:
+        while True:
+            ready = self._pop_ready()
+            if ready is not None:
+                seq, msg = ready
+                self._consume(seq)
+                if msg.kind is Kind.END:
+                    continue
+                if msg.kind is Kind.ERROR:
+                    msg.payload.reraise()
+                data = msg.payload
+                if self._pin_memory:
+                    data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
+                return data
+            if self._buffer.next_seq >= self._send_idx:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+            self._receive_one()
+
+    def _receive_one(self) -> None:
+        """Wait for one event from the loop thread or Ray and apply it."""
+        if self._runtime.closed:
+            raise DpexError("this dpex iterator was closed")
+        starting = len(self._ready) < self._num_workers
+        if starting:
+            limit = self._startup_deadline - time.monotonic()
+            if limit <= 0:
+                raise self._startup_failure()
+        else:
+            limit = self._timeout if self._timeout > 0 else _POLL_S
+        try:
+            event = self._handoff.get(timeout=min(limit, _POLL_S))
+        except queue.Empty:
+            if not self._loop.running:
+                raise DpexError("the dpex event-loop thread stopped unexpectedly") from None
+            if not starting and self._timeout > 0:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+            return
+        if isinstance(event, Message):
+            self._on_message(event)
+        elif isinstance(event, WorkerHello):
+            self._on_hello(event)
+        elif isinstance(event, WorkerExit):
+            self._on_exit(event)
+        elif isinstance(event, LoopFailure):
+            raise DpexError(f"the dpex event loop failed: {event.error!r}") from event.error
+
+    def _on_message(self, msg: Message) -> None:
+        if msg.epoch != self._epoch or msg.seq not in self._task_worker:
+            self._counters["stale"] += 1
+            return
+        if msg.worker_id != self._task_worker[msg.seq]:
+            self._counters["misrouted"] += 1
+            return
+        if msg.kind is Kind.END:
+            self._active[msg.worker_id] = False
+        if not self._buffer.put(msg.seq, msg):
+            self._counters["stale"] += 1
+
+    def _on_hello(self, hello: WorkerHello) -> None:
+        theirs, ours = hello.info.get("versions"), local_versions()
+        if theirs != ours:
+            self._shutdown_workers()
+            raise WorkerStartupError(
+                f"dpex worker {hello.worker_id} on node {hello.info.get('node_ip')} runs "
+                f"{theirs}, but this trainer runs {ours}: install the same Python and dpex "
+                "versions on every node"
+            )
+        self._ready[hello.worker_id] = hello.info
+
+    def _on_exit(self, exit_: WorkerExit) -> None:
+        if self._runtime.closed:
+            return
+        where = self._ready.get(exit_.worker_id, {}).get("node_ip", "unknown node")
+        self._shutdown_workers()
+        if exit_.worker_id not in self._ready:
+            raise WorkerStartupError(
+                f"dpex worker {exit_.worker_id} failed to start: {exit_.error!r}"
+            ) from exit_.error
+        raise WorkerDiedError(
+            f"dpex worker {exit_.worker_id} (pid {self._ready[exit_.worker_id].get('pid')}, "
+            f"node {where}) exited while batches were outstanding: {exit_.error!r}"
+        ) from exit_.error
+
+    def _startup_failure(self) -> WorkerStartupError:
+        missing = sorted(set(range(self._num_workers)) - set(self._ready))
+        resources = ray.available_resources()
+        self._shutdown_workers()
+        return WorkerStartupError(
+            f"dpex workers {missing} did not start within startup_timeout="
+            f"{self._startup_timeout:g} s (actor options {self._runtime.workers.options}; "
+            f"resources free now: {resources}). Is the cluster busy or too small?"
+        )
+
+    # -- lifecycle and introspection -------------------------------------------
+
+    def _shutdown_workers(self) -> None:
+        """Stop the actors, close the sockets and join the loop thread (idempotent)."""
+        self._finalizer()
+
+    def stats(self) -> dict:
+        """Counters of this iterator (messages received, rejected and dropped)."""
+        return {
+            "epoch": self._epoch,
+            "workers_ready": len(self._ready),
+            "credits_in_flight": self._credits.in_flight,
+            "received": self._session.received,
+            "rejected": dict(self._session.rejected),
+            "dropped": dict(self._counters),
+        }
+
+    def __del__(self) -> None:
+        # The finalizer is the safety net; this only makes the common case prompt.
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()

@@ -1,0 +1,130 @@
+"""The trainer's side of one session, run on the loop thread.
+
+It owns the two sockets of one iterator: a bound PULL socket where workers push
+data messages, and a bound ROUTER socket that carries tasks and control
+messages to each worker's DEALER. Received messages are validated, decoded and
+put on the thread-safe ``handoff`` queue that the training thread reads; nothing
+else crosses threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from dpex._protocol import Kind, decode_message, encode_message
+from dpex.client._events import LoopFailure, WorkerHello
+from dpex.errors import ProtocolError
+
+__all__ = ["TrainerSession"]
+
+
+def _identity(worker_id: int) -> bytes:
+    return b"w%d" % worker_id
+
+
+class TrainerSession:
+    """Sockets, hello handling and task forwarding of one iterator. Loop thread only."""
+
+    def __init__(self, session_id: bytes, host: str, handoff: queue.SimpleQueue) -> None:
+        self.session_id = session_id
+        self.host = host
+        self.handoff = handoff
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.received = 0
+        self._ctx = zmq.asyncio.Context.instance()
+        self._data: zmq.asyncio.Socket | None = None
+        self._ctrl: zmq.asyncio.Socket | None = None
+        self._ready: set[int] = set()
+        self._pending: dict[int, list[list[bytes]]] = collections.defaultdict(list)
+        self._tasks: list[asyncio.Task] = []
+        self.data_address = ""
+        self.control_address = ""
+
+    async def open(self) -> None:
+        """Bind both sockets on ``host`` (random ports) and start receiving."""
+        self._data = self._ctx.socket(zmq.PULL)
+        self._ctrl = self._ctx.socket(zmq.ROUTER)
+        for sock in (self._data, self._ctrl):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Sends are non-blocking and synchronous: a plain socket sharing the same handle.
+        self._ctrl_send = zmq.Socket.shadow(self._ctrl.underlying)
+        port = self._data.bind_to_random_port(f"tcp://{self.host}")
+        self.data_address = f"tcp://{self.host}:{port}"
+        port = self._ctrl.bind_to_random_port(f"tcp://{self.host}")
+        self.control_address = f"tcp://{self.host}:{port}"
+        self._tasks = [
+            asyncio.ensure_future(self._guard(self._receive_data())),
+            asyncio.ensure_future(self._guard(self._receive_control())),
+        ]
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self.handoff.put(LoopFailure(exc))
+
+    async def _receive_data(self) -> None:
+        assert self._data is not None
+        while True:
+            frames = await self._data.recv_multipart(copy=False)
+            try:
+                msg = decode_message(frames, self.session_id)
+            except ProtocolError as exc:
+                self.rejected[exc.reason] += 1
+                continue
+            if msg.kind not in (Kind.BATCH, Kind.ERROR, Kind.END):
+                self.rejected["kind"] += 1
+                continue
+            self.received += 1
+            self.handoff.put(msg)
+
+    async def _receive_control(self) -> None:
+        assert self._ctrl is not None
+        while True:
+            identity, *frames = await self._ctrl.recv_multipart()
+            try:
+                msg = decode_message(frames, self.session_id)
+            except ProtocolError as exc:
+                self.rejected[exc.reason] += 1
+                continue
+            if msg.kind is not Kind.HELLO or identity != _identity(msg.worker_id):
+                self.rejected["kind"] += 1
+                continue
+            self._ready.add(msg.worker_id)
+            for frames_out in self._pending.pop(msg.worker_id, []):
+                self._send(msg.worker_id, frames_out)
+            self.handoff.put(WorkerHello(msg.worker_id, msg.payload))
+
+    def _send(self, worker_id: int, frames: list[bytes]) -> None:
+        try:
+            self._ctrl_send.send_multipart([_identity(worker_id), *frames], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # unroutable: the worker went away; its exit is reported by Ray
+            self.rejected[f"unroutable:{exc.errno}"] += 1
+
+    def send(self, worker_id: int, kind: Kind, epoch: int, payload: Any = None) -> None:
+        """Send a control message to one worker, queued until its HELLO arrives."""
+        frames = encode_message(kind, self.session_id, epoch, -1, worker_id, payload)
+        if worker_id in self._ready:
+            self._send(worker_id, frames)
+        else:
+            self._pending[worker_id].append(frames)
+
+    def send_tasks(self, worker_id: int, epoch: int, tasks: list[tuple[int, Any]]) -> None:
+        self.send(worker_id, Kind.TASKS, epoch, tasks)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sock in (self._data, self._ctrl):
+            if sock is not None:
+                sock.close(0)

@@ -1,0 +1,58 @@
+"""Pickling what the workers need, with an error that names what failed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+
+from dpex.errors import DatasetNotPicklableError
+from dpex.server._worker_state import ShippedLoader
+
+__all__ = ["ship_loader", "find_unpicklable"]
+
+_MAX_DEPTH = 6
+
+
+def _children(obj: Any) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    state = getattr(obj, "__dict__", None)
+    if isinstance(state, dict):
+        return [(f".{k}", v) for k, v in state.items()]
+    return []
+
+
+def find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, BaseException] | None:
+    """The deepest attribute path under ``obj`` that fails to pickle, with its error."""
+    try:
+        cloudpickle.dumps(obj, protocol=5)
+        return None
+    except Exception as exc:
+        error = exc
+    if depth < _MAX_DEPTH:
+        for suffix, child in _children(obj):
+            found = find_unpicklable(child, path + suffix, depth + 1)
+            if found is not None:
+                return found
+    return path, error
+
+
+def ship_loader(shipped: ShippedLoader) -> bytes:
+    """Cloudpickle ``shipped``; raise :class:`DatasetNotPicklableError` naming the culprit."""
+    try:
+        return cloudpickle.dumps(shipped, protocol=5)
+    except Exception as exc:
+        for name in ("dataset", "collate_fn", "worker_init_fn"):
+            obj = getattr(shipped, name)
+            found = find_unpicklable(obj, name)
+            if found is not None:
+                path, error = found
+                raise DatasetNotPicklableError(
+                    f"the {name} ({type(obj).__module__}.{type(obj).__qualname__}) cannot be "
+                    f"sent to the dpex workers: {path} cannot be pickled "
+                    f"({type(error).__name__}: {error})"
+                ) from exc
+        raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc

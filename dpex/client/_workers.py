@@ -1,0 +1,83 @@
+"""Starting, watching and stopping the worker actors of one iterator."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+
+from dpex.client._events import WorkerExit
+from dpex.errors import WorkerStartupError
+from dpex.server._actor import DpexWorker
+from dpex.server._worker_state import WorkerSpec
+
+__all__ = ["WorkerGroup", "actor_options"]
+
+_DEFAULT_OPTIONS = {"num_cpus": 1, "scheduling_strategy": "SPREAD"}
+
+
+def actor_options(ray_remote_args: Mapping[str, Any] | None) -> dict:
+    """Actor options: 1 CPU, spread across nodes, unless ``ray_remote_args`` says otherwise."""
+    return {**_DEFAULT_OPTIONS, **(ray_remote_args or {})}
+
+
+def check_placeable(options: Mapping[str, Any], num_workers: int) -> None:
+    """Raise at once when the cluster as a whole cannot hold ``num_workers`` actors."""
+    total = ray.cluster_resources()
+    asked = {"CPU": float(options.get("num_cpus", 0) or 0) * num_workers}
+    if options.get("num_gpus"):
+        asked["GPU"] = float(options["num_gpus"]) * num_workers
+    if options.get("memory"):
+        asked["memory"] = float(options["memory"]) * num_workers
+    for name, amount in (options.get("resources") or {}).items():
+        asked[name] = float(amount) * num_workers
+    short = {k: (v, total.get(k, 0.0)) for k, v in asked.items() if v > total.get(k, 0.0) + 1e-9}
+    if short:
+        detail = ", ".join(f"{k}: {need:g} asked, {have:g} in the cluster" for k, (need, have) in short.items())
+        raise WorkerStartupError(
+            f"the Ray cluster cannot place {num_workers} dpex workers ({detail}); "
+            "use fewer workers or lower ray_remote_args['num_cpus']"
+        )
+
+
+class WorkerGroup:
+    """The actors of one iterator. ``stop()`` is idempotent and kills them all."""
+
+    def __init__(self, options: Mapping[str, Any], events: queue.SimpleQueue) -> None:
+        self.options = dict(options)
+        self.events = events
+        self.actors: dict[int, Any] = {}
+        self._stopped = False
+
+    def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
+        check_placeable(self.options, len(specs))
+        remote_cls = ray.remote(DpexWorker).options(**self.options)
+        for spec in specs:
+            actor = remote_cls.remote()
+            self.actors[spec.worker_id] = actor
+            ref = actor.serve.remote(spec, shipped)
+            ref.future().add_done_callback(self._on_exit(spec.worker_id))
+
+    def _on_exit(self, worker_id: int) -> Any:
+        def report(fut: Any) -> None:
+            try:
+                fut.result()
+            except BaseException as exc:
+                self.events.put(WorkerExit(worker_id, exc))
+            else:
+                self.events.put(WorkerExit(worker_id, None))
+        return report
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if not ray.is_initialized():
+            return
+        for actor in self.actors.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass  # already gone

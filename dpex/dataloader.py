@@ -1,0 +1,121 @@
+"""``DpexDataLoader``: torch's DataLoader, with workers that may run on a Ray cluster."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from dpex._config import DpexConfig
+
+__all__ = ["DpexDataLoader"]
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class DpexDataLoader(DataLoader[T_co]):
+    """A drop-in ``torch.utils.data.DataLoader``.
+
+    Takes every argument of torch's DataLoader, in torch's order and with torch's
+    validation, plus keyword-only arguments:
+
+    - ``distribute_mode`` (default ``False``): with ``True`` and ``num_workers > 0``
+      the workers are Ray actors that stream batches to this process over ZeroMQ;
+      with ``False`` this is torch's own loader.
+    - ``head_address`` (default ``"auto"``): the Ray cluster to join; ``"auto"``
+      joins a running cluster or starts a local Ray instance; ignored if Ray is
+      already initialised in this process.
+    - ``ray_remote_args``: options for the worker actors (default 1 CPU each,
+      spread across nodes).
+    - ``startup_timeout`` (default 120 s): how long workers may take to start.
+
+    The batches, their order, seeds and ``get_worker_info()`` inside workers are
+    those torch gives for the same arguments and generator.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler | Iterable | None = None,
+        batch_sampler: Sampler[list] | Iterable[list] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        distribute_mode: bool = False,
+        head_address: str = "auto",
+        ray_remote_args: Mapping[str, Any] | None = None,
+        startup_timeout: float = 120.0,
+    ) -> None:
+        if isinstance(batch_size, bool):
+            raise TypeError(
+                f"batch_size={batch_size!r}: DpexDataLoader takes torch's arguments in torch's "
+                "order; pass distribute_mode=... and head_address=... by keyword"
+            )
+        config = DpexConfig(distribute_mode, head_address, dict(ray_remote_args or {}),
+                            startup_timeout)
+        # Public attributes named like the parameters: frameworks (Lightning) rebuild the
+        # loader from them, so they must exist under exactly these names.
+        self.distribute_mode = config.distribute_mode
+        self.head_address = config.head_address
+        self.ray_remote_args = dict(config.ray_remote_args)
+        self.startup_timeout = config.startup_timeout
+        self._live_iterators: weakref.WeakSet = weakref.WeakSet()
+        super().__init__(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order,
+        )
+
+    @property
+    def dpex_config(self) -> DpexConfig:
+        """dpex's settings as one validated, frozen object."""
+        return DpexConfig(self.distribute_mode, self.head_address, dict(self.ray_remote_args),
+                          self.startup_timeout)
+
+    @property
+    def _distributed(self) -> bool:
+        return bool(self.distribute_mode) and self.num_workers > 0
+
+    def check_worker_number_rationality(self) -> None:
+        # Remote workers do not compete for this machine's CPUs.
+        if not self._distributed:
+            super().check_worker_number_rationality()
+
+    def _get_iterator(self) -> _BaseDataLoaderIter:
+        if not self._distributed:
+            return super()._get_iterator()
+        from dpex.client._iterator import RayDataLoaderIter
+
+        self.dpex_config  # validate attributes a framework may have set since __init__
+        iterator = RayDataLoaderIter(self)
+        self._live_iterators.add(iterator)
+        return iterator
+
+    def close(self) -> None:
+        """Stop every worker, socket and thread this loader started (idempotent)."""
+        for iterator in list(self._live_iterators):
+            iterator._shutdown_workers()
+        self._live_iterators.clear()
+        self._iterator = None
+
+    def __enter__(self) -> DpexDataLoader[T_co]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

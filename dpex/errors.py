@@ -1,0 +1,54 @@
+"""Exceptions raised by dpex.
+
+    DpexError
+     ├── RayConnectionError      the Ray cluster named by ``head_address`` cannot be reached
+     ├── DatasetNotPicklableError the dataset / sampler / collate_fn cannot be shipped to workers
+     ├── WorkerStartupError      workers could not be placed or started within the start-up limit
+     ├── WorkerDiedError         a worker actor exited while its iterator still needed it
+     └── ProtocolError           a message failed validation (counted and dropped, never raised
+                                 to the training loop)
+
+Exceptions raised by user code inside a worker (``__getitem__``, ``collate_fn``,
+``worker_init_fn`` ...) are re-raised in the training loop with torch's own rules
+(``torch._utils.ExceptionWrapper``): same type, message starting with
+"Caught X in DataLoader worker process N", followed by the remote traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DpexError",
+    "RayConnectionError",
+    "DatasetNotPicklableError",
+    "WorkerStartupError",
+    "WorkerDiedError",
+    "ProtocolError",
+]
+
+
+class DpexError(RuntimeError):
+    """Base class of every error dpex raises itself."""
+
+
+class RayConnectionError(DpexError, ConnectionError):
+    """The Ray cluster at the given address cannot be reached."""
+
+
+class DatasetNotPicklableError(DpexError, TypeError):
+    """An object that must travel to the workers cannot be pickled."""
+
+
+class WorkerStartupError(DpexError):
+    """Workers could not be placed or did not start within the start-up limit."""
+
+
+class WorkerDiedError(DpexError):
+    """A worker actor exited while its iterator still needed it."""
+
+
+class ProtocolError(DpexError):
+    """A message failed validation; carries the reason it was rejected."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason

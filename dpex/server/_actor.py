@@ -1,0 +1,122 @@
+"""The worker actor: an asyncio streaming server for one session at a time.
+
+It receives tasks on a DEALER socket connected to the trainer's ROUTER, runs
+fetch / collate / encode on one executor thread (so the loop stays responsive
+to control messages and shutdown), and pushes each result as one multipart
+message to the trainer's PULL socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq
+import zmq.asyncio
+
+from dpex._protocol import Kind, ProtocolError, decode_message, encode_message
+from dpex._version import local_versions
+from dpex.server._worker_state import WorkerSpec, WorkerState
+
+__all__ = ["DpexWorker"]
+
+_RESUME = object()
+
+
+def _placement() -> dict:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {
+        "node_id": ctx.get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+    }
+
+
+class DpexWorker:
+    """Ray actor class (wrapped with ``ray.remote`` by the trainer side)."""
+
+    def __init__(self) -> None:
+        self._stop = asyncio.Event()
+        self.placement = _placement()
+
+    def where(self) -> dict:
+        return self.placement
+
+    async def stop(self) -> None:
+        self._stop.set()
+
+    async def serve(self, spec: WorkerSpec, shipped: bytes) -> dict:
+        """Serve one session until STOP; returns counters. Raises if set-up fails."""
+        loop = asyncio.get_running_loop()
+        executor = ThreadPoolExecutor(1, thread_name_prefix="dpex-fetch")
+        ctx = zmq.asyncio.Context()
+        ctrl = ctx.socket(zmq.DEALER)
+        data = ctx.socket(zmq.PUSH)
+        sent = 0
+        try:
+            node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
+            state = await loop.run_in_executor(executor, WorkerState, spec, shipped, node)
+            for sock in (ctrl, data):
+                sock.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.IDENTITY, b"w%d" % spec.worker_id)
+            ctrl.connect(spec.control_address)
+            data.connect(spec.data_address)
+            hello = {"versions": local_versions(), **self.placement}
+            await ctrl.send_multipart(
+                encode_message(Kind.HELLO, spec.session_id, worker_id=spec.worker_id, payload=hello)
+            )
+            pending: collections.deque = collections.deque()
+            wake = asyncio.Event()
+            reader = asyncio.ensure_future(self._read_control(ctrl, spec, pending, wake))
+            stopper = asyncio.ensure_future(self._stop.wait())
+            try:
+                while not self._stop.is_set():
+                    if not pending:
+                        wake.clear()
+                        waiter = asyncio.ensure_future(wake.wait())
+                        await asyncio.wait({waiter, reader, stopper},
+                                           return_when=asyncio.FIRST_COMPLETED)
+                        waiter.cancel()
+                        if reader.done():
+                            reader.result()  # re-raise what ended the reader
+                            break
+                        continue
+                    item = pending.popleft()
+                    if item is _RESUME:
+                        await loop.run_in_executor(executor, state.resume)
+                        continue
+                    epoch, seq, indices = item
+                    frames = await loop.run_in_executor(executor, state.run_task, epoch, seq, indices)
+                    await data.send_multipart(frames, copy=False)
+                    sent += 1
+            finally:
+                reader.cancel()
+                stopper.cancel()
+        finally:
+            ctrl.close(0)
+            data.close(0)
+            ctx.term()
+            executor.shutdown(wait=False, cancel_futures=True)
+        return {"sent": sent}
+
+    async def _read_control(self, ctrl: zmq.asyncio.Socket, spec: WorkerSpec,
+                            pending: collections.deque, wake: asyncio.Event) -> None:
+        while True:
+            frames = await ctrl.recv_multipart()
+            try:
+                msg = decode_message(frames, spec.session_id)
+            except ProtocolError:
+                continue
+            if msg.kind is Kind.TASKS:
+                pending.extend((msg.epoch, seq, indices) for seq, indices in msg.payload)
+            elif msg.kind is Kind.RESUME:
+                # Tasks of the epoch being abandoned are not worth computing.
+                pending.clear()
+                pending.append(_RESUME)
+            elif msg.kind is Kind.STOP:
+                self._stop.set()
+            wake.set()

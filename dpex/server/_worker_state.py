@@ -1,0 +1,142 @@
+"""What one worker does for one session, without sockets: torch's worker loop.
+
+Seeding, ``get_worker_info()``, ``worker_init_fn`` and the fetcher are set up
+exactly as ``torch.utils.data._utils.worker._worker_loop`` does; each task
+becomes the frames of one data message (a batch, a wrapped error, or END).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils import worker as torch_worker
+
+from dpex._protocol import Kind, encode_data, encode_message
+
+__all__ = ["WorkerSpec", "WorkerState", "ShippedLoader"]
+
+
+@dataclass(frozen=True)
+class ShippedLoader:
+    """The parts of a DataLoader a worker needs; cloudpickled once per iterator."""
+
+    dataset: Any
+    dataset_kind: int
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    worker_init_fn: Any
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Where and who a worker is for one session (small; travels as a Ray argument)."""
+
+    session_id: bytes
+    worker_id: int
+    num_workers: int
+    base_seed: int
+    data_address: str
+    control_address: str
+    trainer_versions: dict
+
+
+def _seed_like_torch(base_seed: int, worker_id: int) -> int:
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return seed
+    np.random.seed(torch_worker._generate_state(base_seed, worker_id))
+    return seed
+
+
+class WorkerState:
+    """One worker's view of a session. Not thread-safe: one fetch thread drives it.
+
+    Construction raises only if the shipped loader cannot be unpickled; an
+    exception from ``worker_init_fn`` is kept and sent as the first task's
+    result, as torch does.
+    """
+
+    def __init__(self, spec: WorkerSpec, shipped: bytes, node: str = "?") -> None:
+        self.spec = spec
+        self.node = node
+        self.loader: ShippedLoader = cloudpickle.loads(shipped)
+        torch.set_num_threads(1)
+        seed = _seed_like_torch(spec.base_seed, spec.worker_id)
+        self.info = torch_worker.WorkerInfo(
+            id=spec.worker_id, num_workers=spec.num_workers, seed=seed,
+            dataset=self.loader.dataset,
+        )
+        torch_worker._worker_info = self.info
+        self.exhausted = False
+        self.init_error: ExceptionWrapper | None = None
+        self.fetcher = None
+        try:
+            if self.loader.worker_init_fn is not None:
+                self.loader.worker_init_fn(spec.worker_id)
+            self.fetcher = self._new_fetcher()
+        except Exception:
+            self.init_error = ExceptionWrapper(where=self._where())
+
+    def _new_fetcher(self) -> Any:
+        ld = self.loader
+        return _DatasetKind.create_fetcher(
+            ld.dataset_kind, ld.dataset, ld.auto_collation, ld.collate_fn, ld.drop_last
+        )
+
+    def _where(self, seq: int | None = None, indices: Any = None) -> str:
+        where = f"in DataLoader worker process {self.spec.worker_id}"
+        detail = f"dpex worker on node {self.node}"
+        if seq is not None:
+            shown = repr(indices)
+            detail += f", batch {seq}, indices {shown if len(shown) <= 200 else shown[:197] + '...'}"
+        return f"{where} ({detail})"
+
+    def resume(self) -> None:
+        """Start a new epoch on a persistent worker: a fresh fetcher, as torch does."""
+        torch_worker._worker_info = self.info
+        self.exhausted = False
+        if self.init_error is None:
+            self.fetcher = self._new_fetcher()
+
+    def run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
+        """Fetch and collate one batch; return the frames of its data message."""
+        sid, wid = self.spec.session_id, self.spec.worker_id
+        torch_worker._worker_info = self.info
+        if self.init_error is not None:
+            return encode_message(Kind.ERROR, sid, epoch, seq, wid, self.init_error)
+        if self.exhausted:
+            return encode_message(Kind.END, sid, epoch, seq, wid)
+        try:
+            batch = self.fetcher.fetch(indices)
+        except StopIteration:
+            if self.loader.dataset_kind == _DatasetKind.Iterable:
+                self.exhausted = True
+                return encode_message(Kind.END, sid, epoch, seq, wid)
+            return self._error(epoch, seq, indices)
+        except Exception:
+            return self._error(epoch, seq, indices)
+        try:
+            return encode_data(sid, epoch, seq, wid, batch)
+        except Exception:
+            return self._error(epoch, seq, indices)
+
+    def _error(self, epoch: int, seq: int, indices: Any) -> list[Any]:
+        wrapper = ExceptionWrapper(where=self._where(seq, indices))
+        try:
+            return encode_message(Kind.ERROR, self.spec.session_id, epoch, seq,
+                                  self.spec.worker_id, wrapper)
+        except Exception:  # an exception type that cannot be pickled: keep its text
+            wrapper.exc_type = RuntimeError
+            return encode_message(Kind.ERROR, self.spec.session_id, epoch, seq,
+                                  self.spec.worker_id, wrapper)
