@@ -102,8 +102,8 @@ class DpexDataLoader(DataLoader[T_co]):
             return super()._get_iterator()
         from dpex.client._iterator import RayDataLoaderIter
 
-        self.dpex_config  # validate attributes a framework may have set since __init__
-        iterator = RayDataLoaderIter(self)
+        # Built from the attributes, which a framework may have set since __init__.
+        iterator = RayDataLoaderIter(self, self.dpex_config)
         self._live_iterators.add(iterator)
         return iterator
 

@@ -20,6 +20,7 @@ import ray
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Message
 from dpex._ray_connect import connect_ray, node_address
@@ -64,12 +65,12 @@ class _Runtime:
 class RayDataLoaderIter(_BaseDataLoaderIter):
     """Iterator of a ``DpexDataLoader`` with ``distribute_mode=True, num_workers > 0``."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, config: DpexConfig) -> None:
         super().__init__(loader)
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
-        self._startup_timeout = float(loader.startup_timeout)
-        connect_ray(loader.head_address)
+        self._startup_timeout = config.startup_timeout
+        connect_ray(config.head_address)
         shipped = ship_loader(ShippedLoader(
             dataset=self._dataset, dataset_kind=self._dataset_kind,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
@@ -77,7 +78,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         ))
         self._handoff: queue.SimpleQueue = queue.SimpleQueue()
         name = f"dpex-loop-{next(_iterator_ids)}"
-        self._runtime = _Runtime(name, self._handoff, actor_options(loader.ray_remote_args))
+        self._runtime = _Runtime(name, self._handoff, actor_options(config.ray_remote_args))
         self._finalizer = weakref.finalize(self, self._runtime.close)
         self._session = self._runtime.session
         self._loop = self._runtime.loop

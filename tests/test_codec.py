@@ -1,0 +1,119 @@
+import collections
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from dpex._codec import decode_batch, encode_batch
+
+Point = collections.namedtuple("Point", "x y")
+
+ALL_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+]
+
+
+def roundtrip(obj):
+    structure, *buffers = encode_batch(obj)
+    # What the wire does: every frame becomes independent bytes.
+    return decode_batch(bytes(structure), [bytes(b) for b in buffers]), len(buffers)
+
+
+def assert_same(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_roundtrips_out_of_band(dtype):
+    t = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4).to(dtype)
+    out, nbuf = roundtrip(t)
+    assert nbuf == 1
+    assert out.dtype == dtype and out.shape == t.shape
+    assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(12.).reshape(3, 4).t(),               # transposed
+    lambda: torch.arange(20.)[::3],                              # strided
+    lambda: torch.arange(24.).reshape(2, 3, 4)[:, 1:, ::2],      # sliced
+    lambda: torch.empty(0, 5),                                   # zero-size
+    lambda: torch.tensor(3.5),                                   # 0-dim
+    lambda: torch.randn(3, dtype=torch.complex64).conj(),        # conjugate bit
+    lambda: torch.arange(6.).neg().reshape(2, 3)[:, 1],
+], ids=["transposed", "strided", "sliced", "zero-size", "0-dim", "conj", "neg-view"])
+def test_non_contiguous_and_special_tensors(make):
+    t = make()
+    out, _ = roundtrip(t)
+    assert out.shape == t.shape and out.dtype == t.dtype
+    assert torch.equal(out, t.resolve_conj().resolve_neg())
+    assert out.is_contiguous()
+
+
+def test_nested_structures_keep_their_types():
+    batch = {
+        "img": torch.rand(2, 3, 4, 4),
+        "meta": [Point(torch.tensor([1, 2]), "a"), (None, 3.5, "text")],
+        "arr": np.arange(10, dtype=np.int16).reshape(2, 5),
+        "farr": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        "empty": np.zeros((0, 3), np.float32),
+        "obj": np.array(["a", None], dtype=object),
+        "s": "string",
+        "n": None,
+    }
+    out, nbuf = roundtrip(batch)
+    assert nbuf == 5  # img, meta tensor, arr, farr, empty; the object array stays in-band
+    assert_same(batch, out)
+    assert isinstance(out["meta"][0], Point)
+
+
+def test_received_tensors_and_arrays_are_writable_and_own_their_memory():
+    structure, *buffers = encode_batch((torch.zeros(4), np.zeros(3)))
+    frames = [bytearray(b) for b in buffers]
+    t, a = decode_batch(bytes(structure), frames)
+    t += 1
+    a += 1
+    frames[0][:] = b"\xff" * len(frames[0])  # the frame is reused: the batch must not change
+    assert torch.equal(t, torch.ones(4)) and a.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_requires_grad_survives():
+    t = torch.ones(3, requires_grad=True)
+    out, _ = roundtrip(t)
+    assert out.requires_grad
+
+
+def test_tensor_memory_is_not_pickled_in_band():
+    big = torch.zeros(1 << 20, dtype=torch.uint8)
+    structure, *buffers = encode_batch(big)
+    assert len(bytes(structure)) < 1024
+    assert sum(memoryview(b).nbytes for b in buffers) == 1 << 20
+
+
+def test_unsupported_tensor_kinds_fall_back_to_torch_pickling():
+    sp = torch.eye(3).to_sparse()
+    out, _ = roundtrip(sp)
+    assert out.is_sparse and torch.equal(out.to_dense(), torch.eye(3))
+
+
+def test_structure_is_standard_pickle():
+    structure, *buffers = encode_batch({"a": 1})
+    assert pickle.loads(bytes(structure)) == {"a": 1} and buffers == []

@@ -1,0 +1,105 @@
+"""The trainer session's sockets, driven by a fake worker on loopback (no Ray)."""
+
+import asyncio
+import queue
+
+import pytest
+import pytest_asyncio
+import torch
+import zmq
+import zmq.asyncio
+
+from dpex._event_loop import LoopThread
+from dpex._protocol import Kind, Message, decode_message, encode_data, encode_message
+from dpex.client._events import WorkerHello
+from dpex.client._session import TrainerSession
+
+SID = b"k" * 16
+
+
+async def next_event(handoff, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return handoff.get_nowait()
+        except queue.Empty:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("no event from the session") from None
+            await asyncio.sleep(0.005)
+
+
+@pytest_asyncio.fixture
+async def session():
+    handoff = queue.SimpleQueue()
+    s = TrainerSession(SID, "127.0.0.1", handoff)
+    await s.open()
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+def fake_worker(session):
+    ctx = zmq.asyncio.Context.instance()
+    ctrl, data = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
+    for sock in (ctrl, data):
+        sock.setsockopt(zmq.LINGER, 0)
+    ctrl.setsockopt(zmq.IDENTITY, b"w0")
+    ctrl.connect(session.control_address)
+    data.connect(session.data_address)
+    yield ctrl, data
+    ctrl.close(0)
+    data.close(0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_tasks_wait_for_hello_then_batches_reach_the_handoff(session, fake_worker):
+    ctrl, data = fake_worker
+    assert session.data_address.startswith("tcp://127.0.0.1:")
+    session.send_tasks(0, epoch=1, tasks=[(0, [4, 5])])  # queued: no HELLO yet
+    await ctrl.send_multipart(encode_message(Kind.HELLO, SID, worker_id=0, payload={"pid": 1}))
+    hello = await next_event(session.handoff)
+    assert isinstance(hello, WorkerHello) and hello.worker_id == 0
+    task = decode_message(await asyncio.wait_for(ctrl.recv_multipart(), 5), SID)
+    assert task.kind is Kind.TASKS and task.payload == [(0, [4, 5])]
+    await data.send_multipart(encode_data(SID, 1, 0, 0, torch.tensor([4, 5])), copy=False)
+    msg = await next_event(session.handoff)
+    assert isinstance(msg, Message) and torch.equal(msg.payload, torch.tensor([4, 5]))
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_garbage_and_foreign_messages_are_counted_and_dropped(session, fake_worker):
+    _, data = fake_worker
+    await data.send_multipart([b"garbage"])
+    await data.send_multipart(encode_message(Kind.END, b"z" * 16, 1, 0, 0))
+    await data.send_multipart(encode_message(Kind.HELLO, SID, 1, 0, 0))  # control kind on data
+    await data.send_multipart(encode_message(Kind.END, SID, 1, 7, 0))
+    msg = await next_event(session.handoff)
+    assert msg.kind is Kind.END and msg.seq == 7  # only the valid one came through
+    assert session.rejected == {"frame-count": 1, "session": 1, "kind": 1}
+
+
+def test_loop_thread_starts_runs_and_stops_idempotently():
+    lt = LoopThread("dpex-test-loop")
+    lt.start()
+    assert lt.running
+    assert lt.run(asyncio.sleep(0, result=42), timeout=5) == 42
+    cleaned = []
+
+    async def cleanup():
+        cleaned.append(True)
+
+    lt.stop(cleanup=cleanup)
+    lt.stop()
+    assert cleaned == [True] and not lt.running
+
+
+def test_loop_thread_run_times_out():
+    lt = LoopThread("dpex-test-loop")
+    lt.start()
+    try:
+        with pytest.raises(TimeoutError):
+            lt.run(asyncio.sleep(10), timeout=0.1)
+    finally:
+        lt.stop()
