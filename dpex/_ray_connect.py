@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import urllib.parse
@@ -16,7 +17,7 @@ _lock = threading.Lock()
 _REACH_TIMEOUT_S = 10.0
 
 
-def _check_reachable(address: str) -> None:
+def _check_reachable(address: str, named: str) -> None:
     """Fail fast, naming the address, when nothing listens at ``host:port``."""
     target = address.split("://", 1)[-1]
     parsed = urllib.parse.urlsplit(f"//{target}")
@@ -27,38 +28,60 @@ def _check_reachable(address: str) -> None:
             pass
     except OSError as exc:
         raise RayConnectionError(
-            f"cannot reach the Ray cluster at head_address={address!r}: {exc}"
+            f"cannot reach the Ray cluster at {named}: {exc}"
         ) from None
 
 
 def connect_ray(head_address: str = "auto") -> None:
     """Make sure this process is connected to Ray.
 
-    Reuses an existing connection (``ray.is_initialized()``); ``"auto"`` joins a
-    running cluster (``RAY_ADDRESS`` or a local ``ray start``) and otherwise
-    starts a local instance on loopback; any other address must be reachable,
-    or :class:`~dpex.errors.RayConnectionError` names it.
+    Reuses an existing connection (``ray.is_initialized()``). ``"auto"`` joins the
+    cluster named by ``$RAY_ADDRESS`` (which must then be reachable), else a cluster
+    started on this machine with ``ray start``, else starts a local Ray instance (the
+    embedded default). Any other address must be reachable, or
+    :class:`~dpex.errors.RayConnectionError` names it.
     """
     with _lock:
         if ray.is_initialized():
             return
         if head_address in ("auto", "", None):
+            explicit = os.environ.get("RAY_ADDRESS", "")
+            if explicit and explicit != "auto":
+                # The user named a cluster: join it or say why, never start another.
+                _join(explicit, f"RAY_ADDRESS={explicit!r}")
+                return
             try:
-                ray.init(address="auto", log_to_driver=True)
+                ray.init(address="auto")
                 return
             except ConnectionError:
-                pass
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+                pass  # no running cluster: the embedded default below
+            ray.init(include_dashboard=False)
             return
-        _check_reachable(head_address)
-        try:
-            ray.init(address=head_address)
-        except Exception as exc:
-            raise RayConnectionError(
-                f"cannot join the Ray cluster at head_address={head_address!r}: {exc}"
-            ) from exc
+        _join(head_address, f"head_address={head_address!r}")
+
+
+def _join(address: str, named: str) -> None:
+    _check_reachable(address, named)
+    try:
+        ray.init(address=address)
+    except Exception as exc:
+        raise RayConnectionError(f"cannot join the Ray cluster at {named}: {exc}") from exc
+
+
+ADVERTISE_ENV = "DPEX_ADVERTISE_ADDRESS"
 
 
 def node_address() -> str:
-    """The address of this process's Ray node, where its sockets are bound."""
+    """The address this process binds its data sockets on, for its workers to reach.
+
+    ``$DPEX_ADVERTISE_ADDRESS`` when set (multi-homed hosts); loopback when this
+    process's node is the only node of the cluster (nothing needs to reach it from
+    outside); otherwise the Ray node's IP address.
+    """
+    override = os.environ.get(ADVERTISE_ENV)
+    if override:
+        return override
+    me = ray.get_runtime_context().get_node_id()
+    if all(node["NodeID"] == me for node in ray.nodes() if node.get("Alive")):
+        return "127.0.0.1"
     return ray.util.get_node_ip_address()

@@ -190,21 +190,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         """Wait for one event from the loop thread or Ray and apply it."""
         if self._runtime.closed:
             raise DpexError("this dpex iterator was closed")
-        starting = len(self._ready) < self._num_workers
-        if starting:
-            limit = self._startup_deadline - time.monotonic()
-            if limit <= 0:
-                raise self._startup_failure()
-        else:
-            limit = self._timeout if self._timeout > 0 else _POLL_S
-        try:
-            event = self._handoff.get(timeout=min(limit, _POLL_S))
-        except queue.Empty:
-            if not self._loop.running:
-                raise DpexError("the dpex event-loop thread stopped unexpectedly") from None
-            if not starting and self._timeout > 0:
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
-            return
+        event = self._wait_event()
         if isinstance(event, Message):
             self._on_message(event)
         elif isinstance(event, WorkerHello):
@@ -213,6 +199,30 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._on_exit(event)
         elif isinstance(event, LoopFailure):
             raise DpexError(f"the dpex event loop failed: {event.error!r}") from event.error
+
+    def _wait_event(self) -> Any:
+        """The next event, within torch's ``timeout`` (or ``startup_timeout`` while
+        workers start); with no timeout, wake every few seconds to check the loop lives."""
+        starting = len(self._ready) < self._num_workers
+        if starting:
+            deadline: float | None = self._startup_deadline
+        elif self._timeout > 0:
+            deadline = time.monotonic() + self._timeout
+        else:
+            deadline = None
+        while True:
+            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if wait > 0:
+                try:
+                    return self._handoff.get(timeout=wait)
+                except queue.Empty:
+                    pass
+            if not self._loop.running:
+                raise DpexError("the dpex event-loop thread stopped unexpectedly")
+            if deadline is not None and time.monotonic() >= deadline:
+                if starting:
+                    raise self._startup_failure()
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
 
     def _on_message(self, msg: Message) -> None:
         if msg.epoch != self._epoch or msg.seq not in self._task_worker:
@@ -243,8 +253,18 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         where = self._ready.get(exit_.worker_id, {}).get("node_ip", "unknown node")
         self._shutdown_workers()
         if exit_.worker_id not in self._ready:
+            cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
+            hint = ""
+            if isinstance(cause, ModuleNotFoundError):
+                hint = (
+                    f"; the worker cannot import module {cause.name!r}, which the "
+                    "dataset, collate_fn or worker_init_fn refer to: install it on every "
+                    "node, ship it with ray_remote_args={'runtime_env': {'py_modules': "
+                    "[...]}}, or call cloudpickle.register_pickle_by_value(module)"
+                )
             raise WorkerStartupError(
-                f"dpex worker {exit_.worker_id} failed to start: {exit_.error!r}"
+                f"dpex worker {exit_.worker_id} failed to start: "
+                f"{type(cause).__name__}: {cause}{hint}"
             ) from exit_.error
         raise WorkerDiedError(
             f"dpex worker {exit_.worker_id} (pid {self._ready[exit_.worker_id].get('pid')}, "

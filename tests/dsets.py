@@ -1,0 +1,212 @@
+"""Datasets and helpers shared by the integration tests (shipped to workers by value)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
+
+
+def jitter(max_s: float) -> None:
+    """Sleep a random time drawn from the OS, not from the seeded RNGs users see."""
+    if max_s > 0:
+        time.sleep(os.urandom(1)[0] / 255 * max_s)
+
+
+class Squares(Dataset):
+    """Map-style: item i is (tensor([i, i*i]), i); random sleeps scramble arrival order."""
+
+    def __init__(self, n: int = 50, max_sleep: float = 0.003) -> None:
+        self.n, self.max_sleep = n, max_sleep
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        jitter(self.max_sleep)
+        return torch.tensor([i, i * i], dtype=torch.float32), i
+
+
+class BatchedSquares(Squares):
+    """Has ``__getitems__``: returns a whole batch at once, marked as such."""
+
+    def __getitems__(self, indices):
+        jitter(self.max_sleep)
+        return [(torch.tensor([i, -i]), "batched") for i in indices]
+
+
+class SeedProbe(Dataset):
+    """Reports what the worker sees: worker info, torch / random / numpy draws."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        info = get_worker_info()
+        return {
+            "i": i,
+            "worker": -1 if info is None else info.id,
+            "num_workers": -1 if info is None else info.num_workers,
+            "seed": -1 if info is None else info.seed,
+            "initial_seed": torch.initial_seed(),
+            "same_dataset": info is not None and info.dataset is self,
+            "torch": torch.rand(1),
+            "random": random.random(),
+            "numpy": float(np.random.rand()),
+            "init_marker": os.environ.get("DPEX_TEST_INIT", ""),
+        }
+
+
+def mark_init(worker_id: int) -> None:
+    os.environ["DPEX_TEST_INIT"] = os.environ.get("DPEX_TEST_INIT", "") + f"{worker_id},"
+
+
+def failing_init(worker_id: int) -> None:
+    raise ZeroDivisionError(f"init of {worker_id} failed")
+
+
+class ShardedRange(IterableDataset):
+    """IterableDataset: worker k yields k, k+w, ... below n; worker 0 has extra items."""
+
+    def __init__(self, n: int = 37, extra_for_worker0: int = 5, max_sleep: float = 0.003):
+        self.n, self.extra, self.max_sleep = n, extra_for_worker0, max_sleep
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(wid, self.n, nw):
+            jitter(self.max_sleep)
+            yield torch.tensor([i, wid])
+        if wid == 0:
+            for j in range(self.extra):
+                yield torch.tensor([1000 + j, 0])
+
+    def __len__(self) -> int:
+        return self.n + self.extra
+
+
+class FailsAt(Dataset):
+    """Raises ValueError for index ``bad``."""
+
+    def __init__(self, bad: int, n: int = 20) -> None:
+        self.bad, self.n = bad, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i == self.bad:
+            raise ValueError(f"bad index {i}")
+        return torch.tensor(i)
+
+
+class Slow(Dataset):
+    def __init__(self, delay: float, n: int = 8) -> None:
+        self.delay, self.n = delay, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        time.sleep(self.delay)
+        return torch.tensor(i)
+
+
+class Images(Dataset):
+    """~9.2 MiB uint8 image batches at batch_size 64 (3x224x224 per item)."""
+
+    def __init__(self, n: int = 192) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        return torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=g), i
+
+
+class ReversedSampler(Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self):
+        return self.n
+
+
+def sum_collate(items):
+    return {"sum": torch.stack([x for x, _ in items]).sum(0), "ids": [i for _, i in items]}
+
+
+class CountingBatchSampler(Sampler):
+    """Counts what the trainer drew; infinite when ``n`` is None."""
+
+    def __init__(self, n=None, batch_size=2):
+        self.n, self.batch_size, self.drawn = n, batch_size, 0
+
+    def __iter__(self):
+        i = 0
+        while self.n is None or i < self.n:
+            self.drawn += 1
+            yield [i * self.batch_size + k for k in range(self.batch_size)]
+            i += 1
+
+
+def torch_loader(*args, **kwargs) -> DataLoader:
+    """torch's DataLoader as a reference. Its workers start by forkserver: forking a
+    process connected to Ray breaks Ray's client in the parent (a Ray limitation)."""
+    if kwargs.get("num_workers", 0) > 0:
+        kwargs.setdefault("multiprocessing_context", "forkserver")
+    return DataLoader(*args, **kwargs)
+
+
+def assert_same(a, b, path: str = "batch") -> None:
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"{path}: values differ"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def epochs(loader, n: int = 1) -> list[list]:
+    return [list(loader) for _ in range(n)]
+
+
+def wait_cluster_idle(limit: float = 30.0) -> None:
+    """Wait until every CPU of the (shared) Ray cluster is free: actors killed by
+    earlier tests give their resources back asynchronously."""
+    import ray
+
+    deadline = time.monotonic() + limit
+    total = ray.cluster_resources().get("CPU", 0)
+    while ray.available_resources().get("CPU", 0) < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Ray CPUs still busy after {limit} s: {ray.available_resources()}")
+        time.sleep(0.1)
+
+
+def pids_alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(pid)
+    return alive

@@ -1,0 +1,188 @@
+"""Errors raised where torch raises them, and clear errors for bad set-ups."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import dsets
+import pytest
+import ray
+import torch
+
+from dpex import DatasetNotPicklableError, DpexDataLoader, WorkerStartupError
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(120)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def take_until_error(loader):
+    got = []
+    it = iter(loader)
+    with pytest.raises(Exception) as err:
+        for batch in it:
+            got.append(batch)
+    return got, err.value
+
+
+def test_worker_exception_is_raised_at_torchs_point_with_torchs_type():
+    kw = {"batch_size": 2, "num_workers": 2}
+    theirs, their_err = take_until_error(dsets.torch_loader(dsets.FailsAt(9), **kw))
+    loader = DpexDataLoader(dsets.FailsAt(9), distribute_mode=True, **kw)
+    ours, our_err = take_until_error(loader)
+    assert len(ours) == len(theirs) == 4
+    assert type(our_err) is type(their_err) is ValueError
+    msg = str(our_err)
+    assert msg.startswith("Caught ValueError in DataLoader worker process 0")
+    node_ip = ray.nodes()[0]["NodeManagerAddress"]
+    assert "indices [8, 9]" in msg and f"on node {node_ip}" in msg and "bad index 9" in msg
+    # The loader can be iterated again: a fresh iterator, the same story.
+    again, again_err = take_until_error(loader)
+    assert len(again) == 4 and isinstance(again_err, ValueError)
+
+
+def test_worker_init_fn_exception_is_raised_on_the_first_batch():
+    loader = DpexDataLoader(dsets.Squares(10), batch_size=2, num_workers=2,
+                            worker_init_fn=dsets.failing_init, distribute_mode=True)
+    got, err = take_until_error(loader)
+    assert got == [] and isinstance(err, ZeroDivisionError)
+    assert "Caught ZeroDivisionError in DataLoader worker process 0" in str(err)
+
+
+def test_timeout_counts_batches_not_worker_start_up():
+    loader = DpexDataLoader(dsets.Slow(delay=3.0), batch_size=1, num_workers=1, timeout=1.0,
+                            distribute_mode=True)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 1.0 seconds"):
+        next(iter(loader))
+    assert time.monotonic() - t0 < 30
+
+
+def test_timeout_longer_than_the_liveness_poll_is_honoured_in_full(monkeypatch):
+    from dpex.client import _iterator
+
+    monkeypatch.setattr(_iterator, "_POLL_S", 0.3)  # the loop-liveness wake-up
+    loader = DpexDataLoader(dsets.Slow(delay=20.0), batch_size=1, num_workers=1, timeout=1.5,
+                            distribute_mode=True)
+    it = iter(loader)
+    while len(it._ready) < 1:  # start-up is not part of the timeout
+        it._receive_one()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 1.5 seconds"):
+        next(it)
+    assert 1.5 <= time.monotonic() - t0 < 5
+    it._shutdown_workers()
+
+
+class Locked(dsets.Squares):
+    def __init__(self):
+        super().__init__(4)
+        self.lock = threading.Lock()
+
+
+def test_unpicklable_dataset_names_its_type_and_attribute():
+    loader = DpexDataLoader(Locked(), num_workers=1, distribute_mode=True)
+    with pytest.raises(DatasetNotPicklableError) as err:
+        iter(loader)
+    assert "Locked" in str(err.value) and "dataset.lock" in str(err.value)
+
+
+def test_dataset_from_a_module_workers_cannot_import_says_how_to_ship_it(tmp_path, monkeypatch):
+    (tmp_path / "dpex_far_module.py").write_text(
+        "import torch\n"
+        "class FarAway(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 4\n"
+        "    def __getitem__(self, i): return i\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import dpex_far_module
+
+    loader = DpexDataLoader(dpex_far_module.FarAway(), num_workers=1, distribute_mode=True)
+    with pytest.raises(WorkerStartupError) as err:
+        list(loader)
+    assert "cannot import module 'dpex_far_module'" in str(err.value)
+    assert "register_pickle_by_value" in str(err.value)
+
+
+def test_more_cpus_than_the_cluster_has_is_a_clear_error():
+    loader = DpexDataLoader(dsets.Squares(4), num_workers=2, distribute_mode=True,
+                            ray_remote_args={"num_cpus": 64})
+    with pytest.raises(WorkerStartupError, match=r"cannot place 2 dpex workers \(CPU: 128 asked"):
+        iter(loader)
+
+
+@ray.remote
+class Hog:
+    def ping(self):
+        return True
+
+
+def test_workers_that_cannot_start_in_time_are_a_clear_error():
+    # The cluster has room for both workers in total, but another actor holds all but
+    # 4 of its CPUs: the second worker (4 CPUs) waits for the first to go.
+    dsets.wait_cluster_idle()
+    hog = Hog.options(num_cpus=ray.cluster_resources()["CPU"] - 4).remote()
+    ray.get(hog.ping.remote(), timeout=30)
+    try:
+        loader = DpexDataLoader(dsets.Squares(8), batch_size=1, num_workers=2,
+                                distribute_mode=True, ray_remote_args={"num_cpus": 4},
+                                startup_timeout=4)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerStartupError, match=r"workers \[\d\] did not start within"):
+            list(loader)
+        assert time.monotonic() - t0 < 20
+    finally:
+        ray.kill(hog)
+
+
+def run_python(code, timeout=90, env=None):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_unreachable_head_address_names_it_quickly():
+    t0 = time.monotonic()
+    proc = run_python("""
+        import torch
+        from dpex import DpexDataLoader, RayConnectionError
+        loader = DpexDataLoader(torch.arange(4), num_workers=1, distribute_mode=True,
+                                head_address="127.0.0.1:1")
+        try:
+            iter(loader)
+        except RayConnectionError as e:
+            print("ERR", e)
+    """)
+    assert "ERR cannot reach the Ray cluster at head_address='127.0.0.1:1'" in proc.stdout, proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_unreachable_ray_address_variable_is_not_replaced_by_a_local_ray():
+    proc = run_python("""
+        import ray, torch
+        from dpex import DpexDataLoader, RayConnectionError
+        try:
+            iter(DpexDataLoader(torch.arange(4), num_workers=1, distribute_mode=True))
+        except RayConnectionError as e:
+            print("ERR", e)
+        print("RAY", ray.is_initialized())
+    """, env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert "ERR cannot reach the Ray cluster at RAY_ADDRESS='127.0.0.1:1'" in proc.stdout, proc.stderr
+    assert "RAY False" in proc.stdout
+
+
+def test_embedded_default_starts_a_local_ray_when_none_runs():
+    proc = run_python("""
+        import ray, torch
+        from dpex import DpexDataLoader
+        loader = DpexDataLoader(torch.arange(10), batch_size=4, num_workers=2,
+                                distribute_mode=True)
+        print("BATCHES", [b.tolist() for b in loader])
+        print("RAY", ray.is_initialized())
+    """, timeout=120)
+    assert "BATCHES [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]" in proc.stdout, proc.stderr[-3000:]
+    assert "RAY True" in proc.stdout
+    torch.manual_seed(0)

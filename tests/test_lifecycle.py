@@ -1,0 +1,86 @@
+"""Nothing left behind: actors, sockets and threads end with their iterator or loader."""
+
+import gc
+import threading
+import time
+
+import dsets
+import pytest
+import torch
+from dsets import assert_same, pids_alive
+
+from dpex import DpexDataLoader
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(120)]
+
+
+def dpex_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("dpex-loop")]
+
+
+def wait_gone(pids, limit=10.0):
+    deadline = time.monotonic() + limit
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids_alive(pids)
+
+
+def worker_pids(it):
+    deadline = time.monotonic() + 30
+    while len(it._ready) < it._num_workers and time.monotonic() < deadline:
+        it._receive_one()
+    return [info["pid"] for info in it._ready.values()]
+
+
+def test_exhausted_iterator_stops_its_actors_and_thread():
+    before = len(dpex_threads())
+    it = iter(DpexDataLoader(dsets.Squares(10), batch_size=5, num_workers=2, distribute_mode=True))
+    pids = worker_pids(it)
+    assert len(list(it)) == 2 and len(pids) == 2
+    assert wait_gone(pids) == []
+    assert len(dpex_threads()) == before
+
+
+def test_broken_off_and_deleted_iterator_leaves_nothing():
+    before = len(dpex_threads())
+    loader = DpexDataLoader(dsets.Squares(100), batch_size=2, num_workers=2, distribute_mode=True)
+    it = iter(loader)
+    next(it)
+    pids = worker_pids(it)
+    del it
+    gc.collect()
+    assert wait_gone(pids) == []
+    assert len(dpex_threads()) == before
+
+
+@pytest.mark.parametrize("how", ["close", "with"])
+def test_persistent_workers_end_with_close_or_context_manager(how):
+    before = len(dpex_threads())
+    kw = {"batch_size": 5, "num_workers": 2, "persistent_workers": True, "distribute_mode": True}
+    if how == "close":
+        loader = DpexDataLoader(dsets.Squares(10), **kw)
+        list(loader)
+        pids = worker_pids(loader._iterator)
+        assert pids_alive(pids) == pids  # persistent: alive between epochs
+        loader.close()
+        loader.close()  # idempotent
+    else:
+        with DpexDataLoader(dsets.Squares(10), **kw) as loader:
+            list(loader)
+            pids = worker_pids(loader._iterator)
+    assert wait_gone(pids) == []
+    assert len(dpex_threads()) == before
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_break_then_next_epoch_matches_torch(persistent):
+    kw = {"batch_size": 3, "shuffle": True, "num_workers": 2, "persistent_workers": persistent}
+    runs = []
+    for cls, extra in ((dsets.torch_loader, {}), (DpexDataLoader, {"distribute_mode": True})):
+        torch.manual_seed(11)
+        loader = cls(dsets.Squares(30), **kw, **extra)
+        first = next(iter(loader))
+        runs.append([first, list(loader)])
+        if extra:
+            loader.close()
+    assert_same(runs[0], runs[1])
