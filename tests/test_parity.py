@@ -1,5 +1,6 @@
 """dpex against torch's DataLoader: same arguments, same seed → same batches, same order."""
 
+import os
 import time
 import warnings
 
@@ -224,3 +225,12 @@ def test_pin_memory_without_cuda_warns_like_torch_and_still_loads():
     if not torch.cuda.is_available():
         assert any("pin_memory" in str(w.message) for w in caught)
         assert not got[0][0][0].is_pinned()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a process's priority needs CAP_SYS_NICE")
+def test_workers_run_at_the_trainers_priority_not_rays_niceness_15():
+    with DpexDataLoader(dsets.Squares(8), batch_size=4, num_workers=2, distribute_mode=True,
+                        persistent_workers=True) as loader:
+        list(loader)
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert {info["niceness"] for info in loader._iterator._ready.values()} == {mine}

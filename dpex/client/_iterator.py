@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import queue
 import secrets
 import time
@@ -91,6 +92,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                     data_address=self._session.data_address,
                     control_address=self._session.control_address,
                     trainer_versions=local_versions(),
+                    niceness=os.getpriority(os.PRIO_PROCESS, 0),
                 )
                 for w in range(self._num_workers)
             ]

@@ -25,6 +25,20 @@ __all__ = ["DpexWorker"]
 _RESUME = object()
 
 
+def _set_thread_niceness(niceness: int) -> None:
+    """Run the calling thread (and the threads it starts) at ``niceness``.
+
+    Ray starts its workers at niceness 15, so on a node shared with the trainer they
+    lose every contest for a CPU; torch's workers run at the trainer's priority and
+    so do dpex's where the OS allows it (lowering niceness may need CAP_SYS_NICE).
+    On Linux niceness is per thread, hence one call in each thread that computes.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    except OSError:
+        pass  # not permitted: stay at Ray's niceness
+
+
 def _placement() -> dict:
     import ray
 
@@ -52,7 +66,10 @@ class DpexWorker:
     async def serve(self, spec: WorkerSpec, shipped: bytes) -> dict:
         """Serve one session until STOP; returns counters. Raises if set-up fails."""
         loop = asyncio.get_running_loop()
-        executor = ThreadPoolExecutor(1, thread_name_prefix="dpex-fetch")
+        _set_thread_niceness(spec.niceness)  # this loop thread, and zmq's I/O thread below
+        executor = ThreadPoolExecutor(1, thread_name_prefix="dpex-fetch",
+                                      initializer=_set_thread_niceness,
+                                      initargs=(spec.niceness,))
         ctx = zmq.asyncio.Context()
         ctrl = ctx.socket(zmq.DEALER)
         data = ctx.socket(zmq.PUSH)
@@ -65,7 +82,8 @@ class DpexWorker:
             ctrl.setsockopt(zmq.IDENTITY, b"w%d" % spec.worker_id)
             ctrl.connect(spec.control_address)
             data.connect(spec.data_address)
-            hello = {"versions": local_versions(), **self.placement}
+            hello = {"versions": local_versions(), **self.placement,
+                     "niceness": os.getpriority(os.PRIO_PROCESS, 0)}
             await ctrl.send_multipart(
                 encode_message(Kind.HELLO, spec.session_id, worker_id=spec.worker_id, payload=hello)
             )

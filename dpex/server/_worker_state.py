@@ -45,6 +45,7 @@ class WorkerSpec:
     data_address: str
     control_address: str
     trainer_versions: dict
+    niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
 
 
 def _seed_like_torch(base_seed: int, worker_id: int) -> int:
