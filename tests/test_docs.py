@@ -1,0 +1,26 @@
+"""The README's example runs as written (a user copies it first)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_blocks(path):
+    with open(path, encoding="utf-8") as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+
+
+@pytest.mark.timeout(120)
+def test_readme_example_runs_on_the_embedded_local_ray():
+    blocks = python_blocks(os.path.join(ROOT, "README.md"))
+    assert blocks, "README.md has no python example"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    for code in blocks:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=110, env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
