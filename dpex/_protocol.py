@@ -121,20 +121,24 @@ def decode_message(frames: Sequence[Any], session_id: bytes | None = None) -> Me
         else:
             payload = pickle.loads(body)
     except Exception as exc:  # a body that does not unpickle is a bad message, not a crash
-        if kind is not Kind.ERROR:
+        if kind not in (Kind.BATCH, Kind.ERROR):
             raise ProtocolError("body", f"{type(exc).__name__}: {exc}") from None
-        # The worker's exception type may not exist here: keep the slot, say why.
-        payload = undecodable_error(worker_id, exc)
+        # A batch or a worker error of this session whose contents cannot be rebuilt here
+        # (a class this process cannot import, say): the slot gets an error that says so,
+        # so the epoch neither hangs nor silently skips it.
+        what = "batch" if kind is Kind.BATCH else "worker's exception"
+        return Message(Kind.ERROR, sid, epoch, seq, worker_id,
+                       undecodable_error(worker_id, seq, what, exc))
     return Message(kind, sid, epoch, seq, worker_id, payload)
 
 
-def undecodable_error(worker_id: int, exc: BaseException) -> ExceptionWrapper:
-    """An ``ExceptionWrapper`` for a worker error whose own type cannot be unpickled here."""
+def undecodable_error(worker_id: int, seq: int, what: str, exc: BaseException) -> ExceptionWrapper:
+    """An ``ExceptionWrapper`` for a data message whose body cannot be unpickled here."""
     wrapper = ExceptionWrapper.__new__(ExceptionWrapper)
     wrapper.exc_type = RuntimeError
     wrapper.exc_msg = (
-        f"Traceback unavailable: the worker's exception could not be unpickled in the "
-        f"trainer ({type(exc).__name__}: {exc})"
+        f"Traceback unavailable: the {what} of batch {seq} could not be unpickled in "
+        f"the trainer ({type(exc).__name__}: {exc})"
     )
     wrapper.where = f"in DataLoader worker process {worker_id}"
     return wrapper

@@ -69,3 +69,19 @@ def test_worker_error_reraises_with_torch_rules():
     msg = decode_message(frames_bytes(encode_message(Kind.ERROR, SID, 1, 0, 0, wrapper)), SID)
     with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process 0"):
         msg.payload.reraise()
+
+
+class _OnlyHere:
+    """A class the receiving side pretends not to know (see the test below)."""
+
+    def __init__(self, v):
+        self.v = v
+
+
+def test_batch_whose_contents_cannot_be_unpickled_becomes_an_error_in_its_slot(monkeypatch):
+    frames = frames_bytes(encode_data(SID, 2, 9, 1, {"x": torch.arange(3), "o": _OnlyHere(1)}))
+    monkeypatch.delattr(__import__(__name__), "_OnlyHere")  # the trainer lacks the class
+    msg = decode_message(frames, SID)
+    assert (msg.kind, msg.seq, msg.worker_id) == (Kind.ERROR, 9, 1)
+    with pytest.raises(RuntimeError, match="batch 9 could not be unpickled"):
+        msg.payload.reraise()

@@ -103,3 +103,73 @@ def test_loop_thread_run_times_out():
             lt.run(asyncio.sleep(10), timeout=0.1)
     finally:
         lt.stop()
+
+
+@pytest.mark.timeout(60)
+def test_hellos_arriving_while_tasks_are_sent_are_all_seen():
+    """Sends from the training thread's call_soon must not swallow the ROUTER's read edge."""
+    import random
+    import secrets
+    import threading
+    import time
+
+    handoff = queue.SimpleQueue()
+    loop = LoopThread("dpex-test-loop")
+    sess = TrainerSession(secrets.token_bytes(16), "127.0.0.1", handoff)
+    loop.start()
+    loop.run(sess.open(), 5)
+    ctx = zmq.Context()
+    socks = []
+
+    def dealer(w):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, b"w%d" % w)
+        s.connect(sess.control_address)
+        socks.append(s)
+        s.send_multipart(encode_message(Kind.HELLO, sess.session_id, worker_id=w, payload={}))
+        return s
+
+    stop = threading.Event()
+    try:
+        busy = dealer(0)
+        assert isinstance(handoff.get(timeout=5), WorkerHello)
+
+        def drain():
+            while not stop.is_set():
+                if busy.poll(20):
+                    busy.recv_multipart()
+
+        def hammer():
+            i = 0
+            while not stop.is_set():
+                loop.call_soon(sess.send_tasks, 0, 1, [(i, None)])
+                i += 1
+                if i % 50 == 0:
+                    time.sleep(0.0005)
+
+        threads = [threading.Thread(target=drain), threading.Thread(target=hammer)]
+        for t in threads:
+            t.start()
+        late = range(1, 41)
+        for w in late:
+            time.sleep(random.random() * 0.004)  # scrambled against the sends
+            dealer(w)
+        stop.set()
+        for t in threads:
+            t.join(5)
+        seen, deadline = set(), time.monotonic() + 5
+        while seen != set(late) and time.monotonic() < deadline:
+            try:
+                event = handoff.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(event, WorkerHello):
+                seen.add(event.worker_id)
+        assert set(late) - seen == set()
+    finally:
+        stop.set()
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        loop.stop(cleanup=sess.close)

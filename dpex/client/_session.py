@@ -37,6 +37,7 @@ class TrainerSession:
         self.handoff = handoff
         self.rejected: collections.Counter[str] = collections.Counter()
         self.received = 0
+        self.unroutable = 0
         self._ctx = zmq.asyncio.Context.instance()
         self._data: zmq.asyncio.Socket | None = None
         self._ctrl: zmq.asyncio.Socket | None = None
@@ -53,8 +54,9 @@ class TrainerSession:
         for sock in (self._data, self._ctrl):
             sock.setsockopt(zmq.LINGER, 0)
         self._ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Sends are non-blocking and synchronous: a plain socket sharing the same handle.
-        self._ctrl_send = zmq.Socket.shadow(self._ctrl.underlying)
+        # Control traffic is bounded by the credit window, so no high-water mark can be hit
+        # and a send never fails with EAGAIN (which would lose a task).
+        self._ctrl.setsockopt(zmq.SNDHWM, 0)
         port = self._data.bind_to_random_port(f"tcp://{self.host}")
         self.data_address = f"tcp://{self.host}:{port}"
         port = self._ctrl.bind_to_random_port(f"tcp://{self.host}")
@@ -105,10 +107,16 @@ class TrainerSession:
             self.handoff.put(WorkerHello(msg.worker_id, msg.payload))
 
     def _send(self, worker_id: int, frames: list[bytes]) -> None:
-        try:
-            self._ctrl_send.send_multipart([_identity(worker_id), *frames], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # unroutable: the worker went away; its exit is reported by Ray
-            self.rejected[f"unroutable:{exc.errno}"] += 1
+        # Through the asyncio socket, never a shadow of it: a send on a shadow consumes
+        # the socket's readiness edge unseen and a waiting receive (a HELLO) stalls.
+        assert self._ctrl is not None
+        done = self._ctrl.send_multipart([_identity(worker_id), *frames], flags=zmq.NOBLOCK)
+        exc = done.exception() if done.done() else None
+        if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
+            # The worker went away; Ray reports its exit, which the iterator acts on.
+            self.unroutable += 1
+        elif exc is not None:
+            raise exc
 
     def send(self, worker_id: int, kind: Kind, epoch: int, payload: Any = None) -> None:
         """Send a control message to one worker, queued until its HELLO arrives."""
@@ -120,6 +128,14 @@ class TrainerSession:
 
     def send_tasks(self, worker_id: int, epoch: int, tasks: list[tuple[int, Any]]) -> None:
         self.send(worker_id, Kind.TASKS, epoch, tasks)
+
+    def counters(self) -> dict:
+        """A copy of the counters, taken on the loop thread (where they change)."""
+        return {"received": self.received, "unroutable": self.unroutable,
+                "rejected": dict(self.rejected)}
+
+    async def snapshot(self) -> dict:
+        return self.counters()
 
     async def close(self) -> None:
         for task in self._tasks:
