@@ -35,10 +35,14 @@ class LoopThread:
     ``start()`` returns only once the loop runs; ``stop()`` is idempotent and
     joins the thread. Everything the loop owns (sockets, tasks) must be closed
     by a coroutine passed to ``stop(cleanup=...)``, which runs on the loop first.
+    An exception raised by a function run with :meth:`call_soon` goes to
+    ``on_error`` (on the loop thread) instead of only to asyncio's log.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self.name = name
+        self._on_error = on_error
         self._state = _State.NEW
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -79,8 +83,21 @@ class LoopThread:
             self._state = _State.RUNNING
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Schedule ``fn(*args)`` on the loop from any thread (no wait)."""
-        self._loop.call_soon_threadsafe(fn, *args)
+        """Schedule ``fn(*args)`` on the loop from any thread (no wait).
+
+        Raises ``RuntimeError`` once the loop is stopped: the call would be lost.
+        """
+        if self._state is not _State.RUNNING:
+            raise RuntimeError(f"{self.name}: the event loop is {self._state.value}")
+        self._loop.call_soon_threadsafe(self._call_guarded, fn, args)
+
+    def _call_guarded(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            if self._on_error is None:
+                raise
+            self._on_error(exc)
 
     def run(self, coro: Awaitable[T], timeout: float) -> T:
         """Run ``coro`` on the loop and wait for its result at most ``timeout`` s."""
@@ -91,6 +108,13 @@ class LoopThread:
             fut.cancel()
             raise TimeoutError(f"{self.name}: operation did not finish within {timeout} s") from None
 
+    async def _finish(self, cleanup: Callable[[], Awaitable[Any]] | None) -> None:
+        try:
+            if cleanup is not None:
+                await cleanup()
+        finally:
+            self._loop.stop()
+
     def stop(self, cleanup: Callable[[], Awaitable[Any]] | None = None, timeout: float = 10.0) -> None:
         """Run ``cleanup()`` on the loop, stop it and join the thread. Idempotent."""
         with self._lock:
@@ -99,7 +123,10 @@ class LoopThread:
                 return
             self._state = _State.STOPPED
         if threading.current_thread() is self._thread:
-            raise RuntimeError(f"{self.name}: stop() called from the loop thread")
+            # A finalizer run by the garbage collector on this very thread: the loop
+            # cannot be waited on from inside, so clean up and stop it from within.
+            self._loop.create_task(self._finish(cleanup))
+            return
         if cleanup is not None and self._thread.is_alive():
             try:
                 self.run(cleanup(), timeout)

@@ -97,6 +97,13 @@ class DpexDataLoader(DataLoader[T_co]):
         if not self._distributed:
             super().check_worker_number_rationality()
 
+    def __iter__(self) -> _BaseDataLoaderIter:
+        # A persistent iterator that a fatal error (or close()) stopped cannot resume;
+        # the next epoch gets fresh workers instead of an error about a dead loop.
+        if getattr(self._iterator, "closed", False):
+            self._iterator = None
+        return super().__iter__()
+
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if not self._distributed:
             return super()._get_iterator()

@@ -210,3 +210,53 @@ def pids_alive(pids) -> list[int]:
             continue
         alive.append(pid)
     return alive
+
+
+class BlocksWorker0(Dataset):
+    """Worker 0's items wait until ``flag`` exists (60 s at most); other workers are fast."""
+
+    def __init__(self, flag: str, n: int = 40) -> None:
+        self.flag, self.n = flag, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if get_worker_info().id == 0:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return torch.tensor(i)
+
+
+def init_fails_for_worker0(worker_id: int) -> None:
+    if worker_id == 0:
+        raise ZeroDivisionError("init of worker 0 failed")
+
+
+class SleepyInit:
+    """A worker_init_fn that takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, worker_id: int) -> None:
+        time.sleep(self.seconds)
+
+
+def outcomes(loader, n_epochs: int = 1) -> list[list]:
+    """Every ``next()`` of each epoch: the batch, or the type name and text of what it raised."""
+    result = []
+    for _ in range(n_epochs):
+        it, epoch = iter(loader), []
+        while True:
+            try:
+                epoch.append(next(it))
+            except StopIteration:
+                break
+            except Exception as exc:
+                # torch's first line, without the part dpex adds: " (dpex worker on node ...)".
+                line = str(exc).split("\n")[0].split(" (dpex worker")[0].rstrip(".")
+                epoch.append((type(exc).__name__, line))
+        result.append(epoch)
+    return result

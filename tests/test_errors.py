@@ -186,3 +186,10 @@ def test_embedded_default_starts_a_local_ray_when_none_runs():
     assert "BATCHES [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]" in proc.stdout, proc.stderr[-3000:]
     assert "RAY True" in proc.stdout
     torch.manual_seed(0)
+
+
+def test_slow_worker_init_fn_is_not_a_start_up_failure():
+    """As in torch, worker_init_fn runs before the first batch; it is not actor start-up."""
+    loader = DpexDataLoader(dsets.Squares(4), batch_size=2, num_workers=1, startup_timeout=3,
+                            worker_init_fn=dsets.SleepyInit(4.5), distribute_mode=True)
+    assert len(list(loader)) == 2

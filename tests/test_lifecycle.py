@@ -84,3 +84,34 @@ def test_break_then_next_epoch_matches_torch(persistent):
         if extra:
             loader.close()
     assert_same(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_training_loop_that_looks_late_still_gets_its_batches(persistent):
+    """Workers that started while nobody read the queue are not a start-up failure."""
+    loader = DpexDataLoader(dsets.Squares(12), batch_size=3, num_workers=2, startup_timeout=2,
+                            persistent_workers=persistent, distribute_mode=True)
+    it = iter(loader)
+    time.sleep(3)  # past startup_timeout before the first next()
+    assert len(list(it)) == 4
+    if persistent:
+        time.sleep(3)
+        assert len(list(loader)) == 4
+    loader.close()
+
+
+def test_persistent_loader_starts_afresh_after_its_workers_died():
+    import ray
+
+    from dpex.errors import WorkerDiedError
+
+    loader = DpexDataLoader(dsets.Slow(0.05, n=40), batch_size=2, num_workers=2,
+                            persistent_workers=True, distribute_mode=True)
+    it = iter(loader)
+    next(it)
+    ray.kill(it._runtime.workers.actors[1], no_restart=True)
+    with pytest.raises(WorkerDiedError, match="dpex worker 1"):
+        list(it)
+    assert it.closed
+    assert len(list(loader)) == 20 and loader._iterator is not it  # new workers
+    loader.close()

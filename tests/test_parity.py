@@ -234,3 +234,46 @@ def test_workers_run_at_the_trainers_priority_not_rays_niceness_15():
         list(loader)
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         assert {info["niceness"] for info in loader._iterator._ready.values()} == {mine}
+
+
+def test_in_order_false_does_not_let_a_stuck_worker_hoard_the_window(tmp_path):
+    """torch's rule: with in_order=False a worker gets a task only below its share of
+    the window, so the others carry the epoch while worker 0 is stuck."""
+    flag = str(tmp_path / "release")
+    loader = DpexDataLoader(dsets.BlocksWorker0(flag, n=40), batch_size=None, num_workers=4,
+                            prefetch_factor=2, in_order=False, timeout=20, distribute_mode=True)
+    it = iter(loader)
+    first = [int(next(it)) for _ in range(38)]  # all but worker 0's two; it is still stuck
+    open(flag, "w").close()
+    rest = [int(x) for x in it]
+    assert sorted(first + rest) == list(range(40)) and len(rest) == 2
+
+
+def test_iterdatapipe_shuffles_like_torch_across_epochs():
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    def pipe():
+        return IterableWrapper(range(40)).shuffle().sharding_filter()
+
+    for persistent in (False, True):
+        results = []
+        for cls, extra in ((dsets.torch_loader, {}), (DpexDataLoader, {"distribute_mode": True})):
+            loader = cls(pipe(), batch_size=4, num_workers=2, persistent_workers=persistent,
+                         generator=torch.Generator().manual_seed(7), **extra)
+            results.append(epochs(loader, 2))
+        assert_same(*results, f"persistent={persistent}")
+        first, second = ([b.tolist() for b in e] for e in results[1])
+        assert first != second  # the shuffle differs between epochs
+
+
+def test_worker_init_fn_error_is_raised_once_and_persistent_workers_recover_like_torch():
+    results = []
+    for cls, extra in ((dsets.torch_loader, {}), (DpexDataLoader, {"distribute_mode": True})):
+        loader = cls(dsets.Squares(12), batch_size=2, num_workers=2, persistent_workers=True,
+                     worker_init_fn=dsets.init_fails_for_worker0, **extra)
+        results.append(dsets.outcomes(loader, 2))
+        if isinstance(loader, DpexDataLoader):
+            loader.close()
+    expected, got = results
+    assert expected[0][0][0] == "ZeroDivisionError"
+    assert_same(expected, got, "outcomes")

@@ -173,3 +173,31 @@ def test_hellos_arriving_while_tasks_are_sent_are_all_seen():
             s.close(0)
         ctx.term()
         loop.stop(cleanup=sess.close)
+
+
+def test_loop_thread_stopped_from_its_own_thread_still_cleans_up_and_ends():
+    """A finalizer may run on the loop thread (garbage collection there)."""
+    lt = LoopThread("dpex-test-loop")
+    lt.start()
+    cleaned = []
+
+    async def cleanup():
+        cleaned.append(True)
+
+    lt.call_soon(lt.stop, cleanup)
+    lt._thread.join(5)
+    assert cleaned == [True] and not lt._thread.is_alive() and not lt.running
+    with pytest.raises(RuntimeError, match="stopped"):
+        lt.call_soon(print)
+
+
+def test_exception_in_a_scheduled_call_reaches_on_error():
+    errors = queue.SimpleQueue()
+    lt = LoopThread("dpex-test-loop", on_error=errors.put)
+    lt.start()
+    try:
+        lt.call_soon(lambda: 1 / 0)
+        assert isinstance(errors.get(timeout=5), ZeroDivisionError)
+        assert lt.running
+    finally:
+        lt.stop()

@@ -9,6 +9,7 @@ ordering buffer and released in sequence order.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 import queue
@@ -18,8 +19,8 @@ import weakref
 from typing import Any
 
 import ray
-from torch.utils.data import _utils
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data import IterDataPipe, MapDataPipe, _utils
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
@@ -46,8 +47,9 @@ class _Runtime:
     """Everything one iterator started: loop thread, sockets, actors. Idempotent close."""
 
     def __init__(self, name: str, handoff: queue.SimpleQueue, options: dict) -> None:
-        self.loop = LoopThread(name)
-        self.session = TrainerSession(secrets.token_bytes(16), node_address(), handoff)
+        host = node_address()  # may raise: before anything that needs closing exists
+        self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))
+        self.session = TrainerSession(secrets.token_bytes(16), host, handoff)
         self.workers = WorkerGroup(options, handoff)
         self.closed = False
 
@@ -72,10 +74,15 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._in_order = loader.in_order
         self._startup_timeout = config.startup_timeout
         connect_ray(config.head_address)
+        worker_init_fn = loader.worker_init_fn
+        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
+            # As torch: DataPipes are sharded across ranks and workers before worker_init_fn.
+            worker_init_fn = functools.partial(
+                _sharding_worker_init_fn, worker_init_fn, self._world_size, self._rank)
         shipped = ship_loader(ShippedLoader(
             dataset=self._dataset, dataset_kind=self._dataset_kind,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-            drop_last=self._drop_last, worker_init_fn=loader.worker_init_fn,
+            drop_last=self._drop_last, worker_init_fn=worker_init_fn,
         ))
         self._handoff: queue.SimpleQueue = queue.SimpleQueue()
         name = f"dpex-loop-{next(_iterator_ids)}"
@@ -93,6 +100,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                     control_address=self._session.control_address,
                     trainer_versions=local_versions(),
                     niceness=os.getpriority(os.PRIO_PROCESS, 0),
+                    shared_seed=self._shared_seed,
                 )
                 for w in range(self._num_workers)
             ]
@@ -116,18 +124,26 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._buffer.reset()
         self._credits.reset()
         self._task_worker: dict[int, int] = {}
+        self._worker_tasks = [0] * self._num_workers  # outstanding per worker (in_order=False)
         self._send_idx = 0
         self._active = [True] * self._num_workers
         self._worker_cycle = itertools.cycle(range(self._num_workers))
         if not first_iter:
+            if self._runtime.closed:
+                raise DpexError("this dpex iterator was closed; iterate the loader again")
             for w in range(self._num_workers):
-                self._loop.call_soon(self._session.send, w, Kind.RESUME, self._epoch)
+                # The payload is the IterDataPipe seed of the new epoch (None otherwise).
+                self._loop.call_soon(self._session.send, w, Kind.RESUME, self._epoch,
+                                     self._shared_seed)
         self._dispatch(self._credits.capacity)
 
     def _next_active_worker(self) -> int | None:
+        """torch's choice: the next active worker in turn; with ``in_order=False`` only
+        one holding fewer than its share of the window, so a slow worker cannot hoard it."""
+        share = self._credits.capacity // max(1, sum(self._active))
         for _ in range(self._num_workers):
             w = next(self._worker_cycle)
-            if self._active[w]:
+            if self._active[w] and (self._in_order or self._worker_tasks[w] < share):
                 return w
         return None
 
@@ -143,10 +159,13 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 break
             w = self._next_active_worker()
             if w is None:
-                break  # as torch: the drawn index is dropped once every worker is done
+                # As torch: the drawn index is dropped. Only an IterableDataset (whose
+                # "indices" are placeholders) can have no worker here.
+                break
             self._credits.acquire()
             seq, self._send_idx = self._send_idx, self._send_idx + 1
             self._task_worker[seq] = w
+            self._worker_tasks[w] += 1
             tasks[w].append((seq, index))
         for w, batch in tasks.items():
             self._loop.call_soon(self._session.send_tasks, w, self._epoch, batch)
@@ -154,7 +173,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     # -- consuming -------------------------------------------------------------
 
     def _consume(self, seq: int) -> None:
-        self._task_worker.pop(seq, None)
+        w = self._task_worker.pop(seq, None)
+        if w is not None:
+            self._worker_tasks[w] -= 1
         self._credits.release()
         self._dispatch(1)
 
@@ -200,6 +221,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         elif isinstance(event, WorkerExit):
             self._on_exit(event)
         elif isinstance(event, LoopFailure):
+            self._shutdown_workers()
             raise DpexError(f"the dpex event loop failed: {event.error!r}") from event.error
 
     def _wait_event(self) -> Any:
@@ -213,6 +235,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         else:
             deadline = None
         while True:
+            try:  # what already arrived counts, however late this thread came to look
+                return self._handoff.get_nowait()
+            except queue.Empty:
+                pass
             wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             if wait > 0:
                 try:
@@ -254,19 +280,12 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             return
         where = self._ready.get(exit_.worker_id, {}).get("node_ip", "unknown node")
         self._shutdown_workers()
-        if exit_.worker_id not in self._ready:
-            cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
-            hint = ""
-            if isinstance(cause, ModuleNotFoundError):
-                hint = (
-                    f"; the worker cannot import module {cause.name!r}, which the "
-                    "dataset, collate_fn or worker_init_fn refer to: install it on every "
-                    "node, ship it with ray_remote_args={'runtime_env': {'py_modules': "
-                    "[...]}}, or call cloudpickle.register_pickle_by_value(module)"
-                )
+        cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
+        if exit_.worker_id not in self._ready or isinstance(cause, WorkerStartupError):
+            what = str(cause) if isinstance(cause, WorkerStartupError) else (
+                f"{type(cause).__name__}: {cause}")
             raise WorkerStartupError(
-                f"dpex worker {exit_.worker_id} failed to start: "
-                f"{type(cause).__name__}: {cause}{hint}"
+                f"dpex worker {exit_.worker_id} (node {where}) failed to start: {what}"
             ) from exit_.error
         raise WorkerDiedError(
             f"dpex worker {exit_.worker_id} (pid {self._ready[exit_.worker_id].get('pid')}, "
@@ -289,14 +308,22 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         """Stop the actors, close the sockets and join the loop thread (idempotent)."""
         self._finalizer()
 
+    @property
+    def closed(self) -> bool:
+        """True once this iterator's workers, sockets and thread are stopped."""
+        return self._runtime.closed
+
     def stats(self) -> dict:
         """Counters of this iterator (messages received, rejected and dropped)."""
+        if self._loop.running:
+            session = self._loop.run(self._session.snapshot(), timeout=5.0)
+        else:  # the loop thread is gone: nothing changes the counters any more
+            session = self._session.counters()
         return {
             "epoch": self._epoch,
             "workers_ready": len(self._ready),
             "credits_in_flight": self._credits.in_flight,
-            "received": self._session.received,
-            "rejected": dict(self._session.rejected),
+            **session,
             "dropped": dict(self._counters),
         }
 

@@ -75,8 +75,6 @@ class DpexWorker:
         data = ctx.socket(zmq.PUSH)
         sent = 0
         try:
-            node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
-            state = await loop.run_in_executor(executor, WorkerState, spec, shipped, node)
             for sock in (ctrl, data):
                 sock.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.IDENTITY, b"w%d" % spec.worker_id)
@@ -84,9 +82,14 @@ class DpexWorker:
             data.connect(spec.data_address)
             hello = {"versions": local_versions(), **self.placement,
                      "niceness": os.getpriority(os.PRIO_PROCESS, 0)}
+            # HELLO as soon as the actor is up: start-up time is placement and process start.
+            # Loading the dataset and worker_init_fn count, as in torch, towards the
+            # first batch (and torch's ``timeout``).
             await ctrl.send_multipart(
                 encode_message(Kind.HELLO, spec.session_id, worker_id=spec.worker_id, payload=hello)
             )
+            node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
+            state = await loop.run_in_executor(executor, WorkerState, spec, shipped, node)
             pending: collections.deque = collections.deque()
             wake = asyncio.Event()
             reader = asyncio.ensure_future(self._read_control(ctrl, spec, pending, wake))
@@ -104,8 +107,8 @@ class DpexWorker:
                             break
                         continue
                     item = pending.popleft()
-                    if item is _RESUME:
-                        await loop.run_in_executor(executor, state.resume)
+                    if item[0] is _RESUME:
+                        await loop.run_in_executor(executor, state.resume, item[1])
                         continue
                     epoch, seq, indices = item
                     frames = await loop.run_in_executor(executor, state.run_task, epoch, seq, indices)
@@ -134,7 +137,7 @@ class DpexWorker:
             elif msg.kind is Kind.RESUME:
                 # Tasks of the epoch being abandoned are not worth computing.
                 pending.clear()
-                pending.append(_RESUME)
+                pending.append((_RESUME, msg.payload))
             elif msg.kind is Kind.STOP:
                 self._stop.set()
             wake.set()

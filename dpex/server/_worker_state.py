@@ -14,10 +14,12 @@ from typing import Any
 import cloudpickle
 import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data import _DatasetKind
+from torch.utils.data import IterDataPipe, _DatasetKind
 from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex._protocol import Kind, encode_data, encode_message
+from dpex.errors import WorkerStartupError
 
 __all__ = ["WorkerSpec", "WorkerState", "ShippedLoader"]
 
@@ -46,6 +48,7 @@ class WorkerSpec:
     control_address: str
     trainer_versions: dict
     niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
+    shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
 
 
 def _seed_like_torch(base_seed: int, worker_id: int) -> int:
@@ -60,23 +63,41 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
     return seed
 
 
+def _load(shipped: bytes) -> ShippedLoader:
+    try:
+        return cloudpickle.loads(shipped)
+    except ModuleNotFoundError as exc:
+        raise WorkerStartupError(
+            f"cannot unpickle the dataset: this worker cannot import module {exc.name!r}, "
+            "which the dataset, collate_fn or worker_init_fn refer to: install it on every node, ship it with ray_remote_args={'runtime_env': {'py_modules': [...]}}, "
+            "or call cloudpickle.register_pickle_by_value(module) before iterating"
+        ) from exc
+    except Exception as exc:
+        raise WorkerStartupError(
+            f"cannot unpickle the dataset: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 class WorkerState:
     """One worker's view of a session. Not thread-safe: one fetch thread drives it.
 
-    Construction raises only if the shipped loader cannot be unpickled; an
-    exception from ``worker_init_fn`` is kept and sent as the first task's
-    result, as torch does.
+    Construction raises :class:`WorkerStartupError` only if the shipped loader
+    cannot be unpickled; an exception from ``worker_init_fn`` is kept and sent as
+    the first task's result, as torch does, after which (as in torch) that
+    worker has no fetcher until the next epoch.
     """
 
     def __init__(self, spec: WorkerSpec, shipped: bytes, node: str = "?") -> None:
         self.spec = spec
         self.node = node
-        self.loader: ShippedLoader = cloudpickle.loads(shipped)
+        self.loader: ShippedLoader = _load(shipped)
         torch.set_num_threads(1)
         seed = _seed_like_torch(spec.base_seed, spec.worker_id)
+        self.dataset = self.loader.dataset
+        self._shared_rng = torch.Generator()
+        self._seed_datapipe(spec.shared_seed)
         self.info = torch_worker.WorkerInfo(
-            id=spec.worker_id, num_workers=spec.num_workers, seed=seed,
-            dataset=self.loader.dataset,
+            id=spec.worker_id, num_workers=spec.num_workers, seed=seed, dataset=self.dataset,
         )
         torch_worker._worker_info = self.info
         self.exhausted = False
@@ -89,10 +110,15 @@ class WorkerState:
         except Exception:
             self.init_error = ExceptionWrapper(where=self._where())
 
+    def _seed_datapipe(self, shared_seed: int | None) -> None:
+        if isinstance(self.dataset, IterDataPipe) and shared_seed is not None:
+            self._shared_rng.manual_seed(shared_seed)
+            self.dataset = apply_random_seed(self.dataset, self._shared_rng)
+
     def _new_fetcher(self) -> Any:
         ld = self.loader
         return _DatasetKind.create_fetcher(
-            ld.dataset_kind, ld.dataset, ld.auto_collation, ld.collate_fn, ld.drop_last
+            ld.dataset_kind, self.dataset, ld.auto_collation, ld.collate_fn, ld.drop_last
         )
 
     def _where(self, seq: int | None = None, indices: Any = None) -> str:
@@ -103,22 +129,27 @@ class WorkerState:
             detail += f", batch {seq}, indices {shown if len(shown) <= 200 else shown[:197] + '...'}"
         return f"{where} ({detail})"
 
-    def resume(self) -> None:
+    def resume(self, shared_seed: int | None = None) -> None:
         """Start a new epoch on a persistent worker: a fresh fetcher, as torch does."""
         torch_worker._worker_info = self.info
         self.exhausted = False
-        if self.init_error is None:
-            self.fetcher = self._new_fetcher()
+        self._seed_datapipe(shared_seed)
+        self.fetcher = self._new_fetcher()
 
     def run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         """Fetch and collate one batch; return the frames of its data message."""
         sid, wid = self.spec.session_id, self.spec.worker_id
         torch_worker._worker_info = self.info
-        if self.init_error is not None:
-            return encode_message(Kind.ERROR, sid, epoch, seq, wid, self.init_error)
+        if self.init_error is not None:  # once, as torch; later tasks find no fetcher
+            error, self.init_error = self.init_error, None
+            return encode_message(Kind.ERROR, sid, epoch, seq, wid, error)
         if self.exhausted:
             return encode_message(Kind.END, sid, epoch, seq, wid)
         try:
+            if self.fetcher is None:
+                raise UnboundLocalError(  # torch's type for this case, with a clearer text
+                    "this worker's worker_init_fn failed (raised on its first batch); as in "
+                    "torch it has no fetcher until the next epoch")
             batch = self.fetcher.fetch(indices)
         except StopIteration:
             if self.loader.dataset_kind == _DatasetKind.Iterable:
