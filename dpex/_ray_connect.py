@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
+import time
 import urllib.parse
 
 import ray
+
+try:
+    import fcntl
+except ImportError:  # Windows: no file locks here; each process decides alone
+    fcntl = None
 
 from dpex.errors import RayConnectionError
 
@@ -15,6 +22,7 @@ __all__ = ["connect_ray", "node_address"]
 
 _lock = threading.Lock()
 _REACH_TIMEOUT_S = 10.0
+_START_LOCK_TIMEOUT_S = 120.0
 
 
 def _check_reachable(address: str, named: str) -> None:
@@ -50,14 +58,49 @@ def connect_ray(head_address: str = "auto") -> None:
                 # The user named a cluster: join it or say why, never start another.
                 _join(explicit, f"RAY_ADDRESS={explicit!r}")
                 return
-            try:
-                ray.init(address="auto")
-                return
-            except ConnectionError:
-                pass  # no running cluster: the embedded default below
-            ray.init(include_dashboard=False)
+            _start_or_join_local()
             return
         _join(head_address, f"head_address={head_address!r}")
+
+
+def _start_or_join_local() -> None:
+    """Join a cluster running on this machine, else start the embedded local instance.
+
+    Processes that start together (the ranks of ``torchrun`` or ``mp.spawn``) take
+    turns under a file lock: the first starts Ray, the others find it with
+    ``address="auto"`` and join it, so one machine never runs two local instances.
+    The instance lives as long as the process that started it.
+    """
+    if fcntl is None:
+        _auto_or_start()
+        return
+    path = os.path.join(tempfile.gettempdir(), f"dpex-ray-start-{os.getuid()}.lock")
+    with open(path, "a") as lock:
+        deadline = time.monotonic() + _START_LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RayConnectionError(
+                        f"another process held {path} for {_START_LOCK_TIMEOUT_S:g} s while "
+                        "starting Ray; start a cluster with `ray start --head` instead"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            _auto_or_start()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _auto_or_start() -> None:
+    try:
+        ray.init(address="auto")
+        return
+    except ConnectionError:
+        pass  # no running cluster: the embedded default below
+    ray.init(include_dashboard=False)
 
 
 def _join(address: str, named: str) -> None:

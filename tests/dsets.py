@@ -260,3 +260,11 @@ def outcomes(loader, n_epochs: int = 1) -> list[list]:
                 epoch.append((type(exc).__name__, line))
         result.append(epoch)
     return result
+
+
+class NoisySquares(Squares):
+    """Squares plus one torch draw per item: equal only if worker seeds are equal too."""
+
+    def __getitem__(self, i: int):
+        x, i = super().__getitem__(i)
+        return x, i, torch.randint(0, 1 << 30, ())

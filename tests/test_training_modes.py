@@ -1,0 +1,138 @@
+"""DDP ranks, DataParallel and the examples, on a Ray cluster that `ray start` runs.
+
+The cluster is started here on loopback (`ray start --head --block`, in its own
+process group) and stopped afterwards; the ranks join it by address.
+"""
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import dsets
+import pytest
+import torch
+from dsets import assert_same
+from torch.utils.data.distributed import DistributedSampler
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BIN = os.path.dirname(sys.executable)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head on 127.0.0.1 with 4 CPUs; yields (address, env for its clients)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    # Ray >= 2.59 authenticates local clusters with a token: give the head and every
+    # client the same one.
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16),
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
+    temp_dir = tempfile.mkdtemp(prefix="dpexray")  # keeps /tmp/ray's "current cluster" as is
+    head = subprocess.Popen(
+        [os.path.join(BIN, "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+         "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                if head.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("`ray start --head` did not come up") from None
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}", env
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(5)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def run(cmd, env, timeout=240):
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def torchrun(script, *args, env):
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}", script, *args], env)
+
+
+def test_ddp_ranks_get_exactly_torchs_batches_from_their_own_workers(ray_head, tmp_path):
+    address, env = ray_head
+    torchrun(os.path.join(HERE, "ddp_rank.py"), "--out", str(tmp_path), "--head", address,
+             env=env)
+    dataset = dsets.NoisySquares(45)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank in range(2):
+        torch.manual_seed(100 + rank)
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, seed=3)
+        loader = dsets.torch_loader(dataset, batch_size=4, sampler=sampler, num_workers=2)
+        expected = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            expected.append(list(loader))
+        assert_same(expected, got[rank]["epochs"], f"rank {rank}")
+    # One stream per rank: different sessions, different worker processes.
+    assert not set(got[0]["sessions"]) & set(got[1]["sessions"])
+    assert not set(got[0]["pids"]) & set(got[1]["pids"])
+    assert len(set(got[0]["pids"])) == 4  # two fresh workers per epoch (not persistent)
+
+
+def final_losses(out: str) -> list[str]:
+    return sorted(re.findall(r"final loss (\S+)", out))
+
+
+QUICK = ["--epochs", "1", "--max-batches", "4", "--batch-size", "50"]
+
+
+def test_single_device_example_trains_the_same_with_dpex_and_torch_workers(ray_head):
+    address, env = ray_head
+    script = os.path.join(ROOT, "examples", "single_device.py")
+    dpex_out = run([sys.executable, script, *QUICK, "--head-address", address], env)
+    torch_out = run([sys.executable, script, *QUICK, "--torch-loader"], env)
+    assert "dpex Ray workers" in dpex_out and "epoch 1/1" in dpex_out
+    assert final_losses(dpex_out) == final_losses(torch_out) != []
+
+
+def test_data_parallel_example_runs(ray_head):
+    address, env = ray_head
+    out = run([sys.executable, os.path.join(ROOT, "examples", "data_parallel.py"), *QUICK,
+               "--head-address", address], env)
+    assert "DataParallel over" in out and len(final_losses(out)) == 1
+
+
+def test_ddp_example_under_torchrun_and_mp_spawn(ray_head):
+    address, env = ray_head
+    script = os.path.join(ROOT, "examples", "ddp.py")
+    by_torchrun = torchrun(script, *QUICK, "--head-address", address, env=env)
+    by_spawn = run([sys.executable, script, "--spawn", "2", *QUICK, "--torch-loader"], env)
+    assert "DDP: 2 ranks on cpu (gloo)" in by_torchrun
+    # dpex under torchrun and torch's workers under mp.spawn: the same training.
+    assert len(final_losses(by_torchrun)) == 2
+    assert final_losses(by_torchrun) == final_losses(by_spawn)
