@@ -108,7 +108,13 @@ def _join(address: str, named: str) -> None:
     try:
         ray.init(address=address)
     except Exception as exc:
-        raise RayConnectionError(f"cannot join the Ray cluster at {named}: {exc}") from exc
+        hint = ""
+        if not any(k.startswith("RAY_AUTH") for k in os.environ):
+            hint = (" (if the cluster uses token authentication, which Ray >= 2.59 turns on "
+                    "for clusters started on this machine, give this process the same "
+                    "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN as the cluster)")
+        raise RayConnectionError(
+            f"cannot join the Ray cluster at {named}: {exc}{hint}") from exc
 
 
 ADVERTISE_ENV = "DPEX_ADVERTISE_ADDRESS"
