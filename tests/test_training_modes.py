@@ -136,3 +136,14 @@ def test_ddp_example_under_torchrun_and_mp_spawn(ray_head):
     # dpex under torchrun and torch's workers under mp.spawn: the same training.
     assert len(final_losses(by_torchrun)) == 2
     assert final_losses(by_torchrun) == final_losses(by_spawn)
+
+
+def test_accuracy_parity_script_finds_every_pair_bit_identical(tmp_path):
+    out = run([sys.executable, os.path.join(ROOT, "scripts", "accuracy_parity.py"),
+               "--epochs", "1", "--out", str(tmp_path / "ACC.md"),
+               "--plot", str(tmp_path / "loss.png")],
+              {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "Setting" not in line]
+    assert len(rows) == 6 and all(row.endswith("| bit-identical |") for row in rows), out
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    assert "every pair of loss curves is bit-identical" in (tmp_path / "ACC.md").read_text()
