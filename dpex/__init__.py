@@ -8,6 +8,7 @@ from dpex._config import DpexConfig
 from dpex._version import __version__
 from dpex.dataloader import DpexDataLoader
 from dpex.errors import (
+    BatchTooLargeError,
     DatasetNotPicklableError,
     DpexError,
     ProtocolError,
@@ -24,6 +25,7 @@ __all__ = [
     "DatasetNotPicklableError",
     "WorkerStartupError",
     "WorkerDiedError",
+    "BatchTooLargeError",
     "ProtocolError",
     "__version__",
 ]

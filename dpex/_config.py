@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
+
 __all__ = ["DpexConfig"]
 
 
@@ -17,12 +19,15 @@ class DpexConfig:
     ``head_address``: Ray cluster to join; ``"auto"`` joins a running one or starts a local one.
     ``ray_remote_args``: actor options (``num_cpus``, ``resources``, ``runtime_env``, scheduling).
     ``startup_timeout``: seconds the workers may take to start; not counted in ``timeout``.
+    ``max_message_bytes``: the largest batch message accepted (bigger ones are an error
+    in the worker, and dropped and counted if they arrive anyway).
     """
 
     distribute_mode: bool = False
     head_address: str = "auto"
     ray_remote_args: Mapping[str, Any] = field(default_factory=dict)
     startup_timeout: float = 120.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.distribute_mode, bool):
@@ -33,3 +38,7 @@ class DpexConfig:
             raise TypeError(f"ray_remote_args must be a dict, got {type(self.ray_remote_args).__name__}")
         if not self.startup_timeout > 0:
             raise ValueError(f"startup_timeout must be > 0 seconds, got {self.startup_timeout!r}")
+        if (not isinstance(self.max_message_bytes, int) or isinstance(self.max_message_bytes, bool)
+                or self.max_message_bytes < 1024):
+            raise ValueError(
+                f"max_message_bytes must be an int >= 1024, got {self.max_message_bytes!r}")

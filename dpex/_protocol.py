@@ -2,14 +2,23 @@
 
 Every message is a ZeroMQ multipart message::
 
-    [header, body, *buffers]
+    [header, mac, body, *buffers]
 
 ``header`` is a fixed 36-byte struct (little endian)::
 
     version:u8  kind:u8  session_id:16s  epoch:u32  seq:i64  worker_id:u16  n_buffers:u32
 
-``body`` is a pickle (protocol 5) and ``buffers`` are the out-of-band buffers
-it refers to (see ``_codec``); only data messages carry buffers.
+``mac`` is a keyed BLAKE2b digest (16 bytes) over the header, the body and the
+size of every buffer, under the session key that the trainer gives its workers
+through Ray (never on a ZeroMQ port). ``body`` is a pickle (protocol 5) and
+``buffers`` are the raw out-of-band buffers it refers to (see ``_codec``); only
+data messages carry buffers.
+
+Decoding checks, in this order and before anything is unpickled: the frame
+count, the header, the protocol version, the session id, the kind, the total
+size against ``max_message_bytes``, then the MAC. A buffer's bytes are not
+hashed (a MAC over gigabytes would cost more than the copy); they are only ever
+copied into tensors and arrays, never unpickled, and the MAC pins their sizes.
 
 Data plane (worker PUSH → trainer PULL): ``BATCH``, ``ERROR`` (a wrapped
 exception in the batch's slot) and ``END`` (an IterableDataset worker is
@@ -26,7 +35,10 @@ Decoding never raises anything but :class:`~dpex.errors.ProtocolError`, whose
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import pickle
+import secrets
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,16 +51,18 @@ from dpex.errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "Kind",
     "Message",
-    "encode_message",
-    "encode_data",
-    "decode_message",
+    "Wire",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _HEADER = struct.Struct("<BB16sIqHI")
 HEADER_SIZE = _HEADER.size
+MAC_SIZE = 16
+KEY_SIZE = 32
+DEFAULT_MAX_MESSAGE_BYTES = 2 << 30  # 2 GiB
 
 
 class Kind(enum.IntEnum):
@@ -74,62 +88,98 @@ class Message:
     payload: Any = None
 
 
-def _header(kind: Kind, session_id: bytes, epoch: int, seq: int, worker_id: int, n: int) -> bytes:
-    return _HEADER.pack(PROTOCOL_VERSION, kind, session_id, epoch, seq, worker_id, n)
+def _nbytes(frame: Any) -> int:
+    return memoryview(frame).nbytes
 
 
-def encode_message(
-    kind: Kind, session_id: bytes, epoch: int = 0, seq: int = -1, worker_id: int = 0,
-    payload: Any = None,
-) -> list[bytes]:
-    """A message whose payload is pickled in-band (control messages, errors, END)."""
-    return [_header(kind, session_id, epoch, seq, worker_id, 0), encode_object(payload)]
+@dataclass(frozen=True)
+class Wire:
+    """Encodes and checks the messages of one session: its id, its key, its size limit.
 
-
-def encode_data(session_id: bytes, epoch: int, seq: int, worker_id: int, batch: Any) -> list[Any]:
-    """A ``BATCH`` message: the structure in-band, tensor memory as separate frames."""
-    body, *buffers = encode_batch(batch)
-    return [_header(Kind.BATCH, session_id, epoch, seq, worker_id, len(buffers)), body, *buffers]
-
-
-def decode_message(frames: Sequence[Any], session_id: bytes | None = None) -> Message:
-    """Validate and decode one multipart message.
-
-    ``frames`` are bytes or ``zmq.Frame`` objects. With ``session_id`` given, a
-    message of another session is rejected before its body is touched.
+    Pure (no I/O); the same object serves the trainer and its workers.
     """
-    if len(frames) < 2:
-        raise ProtocolError("frame-count", f"{len(frames)} frames, at least 2 expected")
-    head = memoryview(frames[0])
-    if head.nbytes != HEADER_SIZE:
-        raise ProtocolError("header", f"{head.nbytes} bytes, {HEADER_SIZE} expected")
-    version, kind, sid, epoch, seq, worker_id, n = _HEADER.unpack(head)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError("version", f"protocol {version}, this side speaks {PROTOCOL_VERSION}")
-    if session_id is not None and sid != session_id:
-        raise ProtocolError("session", "message of another session")
-    try:
-        kind = Kind(kind)
-    except ValueError:
-        raise ProtocolError("kind", f"unknown message kind {kind}") from None
-    if len(frames) != 2 + n:
-        raise ProtocolError("frame-count", f"{len(frames)} frames, header says {2 + n}")
-    body = memoryview(frames[1])
-    try:
-        if kind is Kind.BATCH:
-            payload = decode_batch(body, [memoryview(f) for f in frames[2:]])
-        else:
-            payload = pickle.loads(body)
-    except Exception as exc:  # a body that does not unpickle is a bad message, not a crash
-        if kind not in (Kind.BATCH, Kind.ERROR):
-            raise ProtocolError("body", f"{type(exc).__name__}: {exc}") from None
-        # A batch or a worker error of this session whose contents cannot be rebuilt here
-        # (a class this process cannot import, say): the slot gets an error that says so,
-        # so the epoch neither hangs nor silently skips it.
-        what = "batch" if kind is Kind.BATCH else "worker's exception"
-        return Message(Kind.ERROR, sid, epoch, seq, worker_id,
-                       undecodable_error(worker_id, seq, what, exc))
-    return Message(kind, sid, epoch, seq, worker_id, payload)
+
+    session_id: bytes
+    key: bytes
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    @classmethod
+    def new(cls, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Wire:
+        """A fresh session: random id and key."""
+        return cls(secrets.token_bytes(16), secrets.token_bytes(KEY_SIZE), max_message_bytes)
+
+    def _mac(self, header: Any, body: Any, buffers: Sequence[Any]) -> bytes:
+        mac = hashlib.blake2b(key=self.key, digest_size=MAC_SIZE)
+        mac.update(header)
+        mac.update(struct.pack(f"<Q{len(buffers)}Q", _nbytes(body),
+                               *(_nbytes(b) for b in buffers)))
+        mac.update(body)
+        return mac.digest()
+
+    def _frames(self, kind: Kind, epoch: int, seq: int, worker_id: int, body: Any,
+                buffers: Sequence[Any]) -> list[Any]:
+        header = _HEADER.pack(PROTOCOL_VERSION, kind, self.session_id, epoch, seq, worker_id,
+                              len(buffers))
+        return [header, self._mac(header, body, buffers), body, *buffers]
+
+    def encode(self, kind: Kind, epoch: int = 0, seq: int = -1, worker_id: int = 0,
+               payload: Any = None) -> list[Any]:
+        """A message whose payload is pickled in-band (control messages, errors, END)."""
+        return self._frames(kind, epoch, seq, worker_id, encode_object(payload), [])
+
+    def encode_data(self, epoch: int, seq: int, worker_id: int, batch: Any) -> list[Any]:
+        """A ``BATCH`` message: the structure in-band, tensor memory as separate frames.
+
+        Raises :class:`ProtocolError` (reason ``too-large``) when the message would
+        exceed ``max_message_bytes``: the receiver would drop it.
+        """
+        body, *buffers = encode_batch(batch)
+        size = _nbytes(body) + sum(_nbytes(b) for b in buffers)
+        if size > self.max_message_bytes:
+            raise ProtocolError("too-large", f"batch {seq} is {size:,} bytes, over "
+                                f"max_message_bytes={self.max_message_bytes:,}")
+        return self._frames(Kind.BATCH, epoch, seq, worker_id, body, buffers)
+
+    def decode(self, frames: Sequence[Any]) -> Message:
+        """Check and decode one multipart message (``bytes`` or ``zmq.Frame`` parts)."""
+        if len(frames) < 3:
+            raise ProtocolError("frame-count", f"{len(frames)} frames, at least 3 expected")
+        head = memoryview(frames[0])
+        if head.nbytes != HEADER_SIZE:
+            raise ProtocolError("header", f"{head.nbytes} bytes, {HEADER_SIZE} expected")
+        version, kind, sid, epoch, seq, worker_id, n = _HEADER.unpack(head)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError("version",
+                                f"protocol {version}, this side speaks {PROTOCOL_VERSION}")
+        if sid != self.session_id:
+            raise ProtocolError("session", "message of another session")
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise ProtocolError("kind", f"unknown message kind {kind}") from None
+        if len(frames) != 3 + n:
+            raise ProtocolError("frame-count", f"{len(frames)} frames, header says {3 + n}")
+        body, buffers = memoryview(frames[2]), [memoryview(f) for f in frames[3:]]
+        size = body.nbytes + sum(b.nbytes for b in buffers)
+        if size > self.max_message_bytes:
+            raise ProtocolError("too-large", f"{size:,} bytes")
+        if not hmac.compare_digest(memoryview(frames[1]).tobytes(), self._mac(head, body, buffers)):
+            raise ProtocolError("mac", "authentication failed")
+        try:
+            if kind is Kind.BATCH:
+                payload = decode_batch(body, buffers)
+            else:
+                payload = pickle.loads(body)
+        except Exception as exc:  # authentic, yet it does not unpickle here
+            if kind not in (Kind.BATCH, Kind.ERROR):
+                raise ProtocolError("body", f"{type(exc).__name__}: {exc}") from None
+            # A batch or a worker error whose contents cannot be rebuilt here (a class
+            # this process cannot import, say): the slot gets an error that says so,
+            # so the epoch neither hangs nor silently skips it.
+            what = "batch" if kind is Kind.BATCH else "worker's exception"
+            return Message(Kind.ERROR, sid, epoch, seq, worker_id,
+                           undecodable_error(worker_id, seq, what, exc))
+        return Message(kind, sid, epoch, seq, worker_id, payload)
 
 
 def undecodable_error(worker_id: int, seq: int, what: str, exc: BaseException) -> ExceptionWrapper:

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from dpex._config import DpexConfig
+from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["DpexDataLoader"]
 
@@ -31,6 +32,7 @@ class DpexDataLoader(DataLoader[T_co]):
     - ``ray_remote_args``: options for the worker actors (default 1 CPU each,
       spread across nodes).
     - ``startup_timeout`` (default 120 s): how long workers may take to start.
+    - ``max_message_bytes`` (default 2 GiB): the largest batch accepted.
 
     The batches, their order, seeds and ``get_worker_info()`` inside workers are
     those torch gives for the same arguments and generator.
@@ -60,6 +62,7 @@ class DpexDataLoader(DataLoader[T_co]):
         head_address: str = "auto",
         ray_remote_args: Mapping[str, Any] | None = None,
         startup_timeout: float = 120.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if isinstance(batch_size, bool):
             raise TypeError(
@@ -67,13 +70,14 @@ class DpexDataLoader(DataLoader[T_co]):
                 "order; pass distribute_mode=... and head_address=... by keyword"
             )
         config = DpexConfig(distribute_mode, head_address, dict(ray_remote_args or {}),
-                            startup_timeout)
+                            startup_timeout, max_message_bytes)
         # Public attributes named like the parameters: frameworks (Lightning) rebuild the
         # loader from them, so they must exist under exactly these names.
         self.distribute_mode = config.distribute_mode
         self.head_address = config.head_address
         self.ray_remote_args = dict(config.ray_remote_args)
         self.startup_timeout = config.startup_timeout
+        self.max_message_bytes = config.max_message_bytes
         self._live_iterators: weakref.WeakSet = weakref.WeakSet()
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
@@ -86,7 +90,7 @@ class DpexDataLoader(DataLoader[T_co]):
     def dpex_config(self) -> DpexConfig:
         """dpex's settings as one validated, frozen object."""
         return DpexConfig(self.distribute_mode, self.head_address, dict(self.ray_remote_args),
-                          self.startup_timeout)
+                          self.startup_timeout, self.max_message_bytes)
 
     @property
     def _distributed(self) -> bool:
@@ -113,6 +117,13 @@ class DpexDataLoader(DataLoader[T_co]):
         iterator = RayDataLoaderIter(self, self.dpex_config)
         self._live_iterators.add(iterator)
         return iterator
+
+    def stats(self) -> dict:
+        """Counters of the current iterator (``{}`` before the first distributed ``iter()``):
+        messages received, rejected by reason (``mac``, ``session``, ``too-large``, ...),
+        dropped as stale, credits in flight, workers ready."""
+        live = [it for it in self._live_iterators if not it.closed]
+        return live[-1].stats() if live else {}
 
     def close(self) -> None:
         """Stop every worker, socket and thread this loader started (idempotent)."""

@@ -5,6 +5,8 @@
      ├── DatasetNotPicklableError the dataset / sampler / collate_fn cannot be shipped to workers
      ├── WorkerStartupError      workers could not be placed or started within the start-up limit
      ├── WorkerDiedError         a worker actor exited while its iterator still needed it
+     ├── BatchTooLargeError      (raised inside a worker, in its batch's slot) a batch is
+     │                           over ``max_message_bytes``
      └── ProtocolError           a message failed validation (counted and dropped, never raised
                                  to the training loop)
 
@@ -22,6 +24,7 @@ __all__ = [
     "DatasetNotPicklableError",
     "WorkerStartupError",
     "WorkerDiedError",
+    "BatchTooLargeError",
     "ProtocolError",
 ]
 
@@ -44,6 +47,10 @@ class WorkerStartupError(DpexError):
 
 class WorkerDiedError(DpexError):
     """A worker actor exited while its iterator still needed it."""
+
+
+class BatchTooLargeError(DpexError):
+    """A batch is larger than the loader's ``max_message_bytes``."""
 
 
 class ProtocolError(DpexError):

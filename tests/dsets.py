@@ -268,3 +268,11 @@ class NoisySquares(Squares):
     def __getitem__(self, i: int):
         x, i = super().__getitem__(i)
         return x, i, torch.randint(0, 1 << 30, ())
+
+
+def big_for_batch_1(items):
+    """Collate: the batch holding index 2 carries 1 MiB, the others a few bytes."""
+    batch = torch.utils.data.default_collate(items)
+    if 2 in batch[1].tolist():
+        return batch[0], torch.zeros(1 << 18)
+    return batch[0], torch.zeros(1)

@@ -13,6 +13,7 @@ import ray
 import torch
 
 from dpex import DatasetNotPicklableError, DpexDataLoader, WorkerStartupError
+from dpex.errors import BatchTooLargeError
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(120)]
 
@@ -193,3 +194,13 @@ def test_slow_worker_init_fn_is_not_a_start_up_failure():
     loader = DpexDataLoader(dsets.Squares(4), batch_size=2, num_workers=1, startup_timeout=3,
                             worker_init_fn=dsets.SleepyInit(4.5), distribute_mode=True)
     assert len(list(loader)) == 2
+
+
+def test_a_batch_over_max_message_bytes_is_an_error_in_its_slot():
+    loader = DpexDataLoader(dsets.Squares(8), batch_size=2, num_workers=2, timeout=30,
+                            collate_fn=dsets.big_for_batch_1, max_message_bytes=64 * 1024,
+                            distribute_mode=True)
+    got, err = take_until_error(loader)
+    assert len(got) == 1 and isinstance(err, BatchTooLargeError)
+    assert "batch 1 is" in str(err) and "max_message_bytes=65,536" in str(err)
+    assert "Caught BatchTooLargeError in DataLoader worker process 1" in str(err)

@@ -109,6 +109,7 @@ def test_persistent_loader_starts_afresh_after_its_workers_died():
                             persistent_workers=True, distribute_mode=True)
     it = iter(loader)
     next(it)
+    worker_pids(it)  # both up: a worker killed while starting is a start-up failure
     ray.kill(it._runtime.workers.actors[1], no_restart=True)
     with pytest.raises(WorkerDiedError, match="dpex worker 1"):
         list(it)

@@ -208,6 +208,8 @@ def test_dpex_arguments_are_validated_and_stored_under_their_names():
         DpexDataLoader(dsets.Squares(4), True)
     with pytest.raises(TypeError, match="distribute_mode must be a bool"):
         DpexDataLoader(dsets.Squares(4), distribute_mode="yes")
+    with pytest.raises(ValueError, match="max_message_bytes must be an int >= 1024"):
+        DpexDataLoader(dsets.Squares(4), max_message_bytes=10)
     assert DpexDataLoader[int] is not None and issubclass(DpexDataLoader, DataLoader)
 
 

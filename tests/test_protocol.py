@@ -2,10 +2,14 @@ import pytest
 import torch
 from torch._utils import ExceptionWrapper
 
-from dpex._protocol import HEADER_SIZE, Kind, decode_message, encode_data, encode_message
+from dpex._protocol import HEADER_SIZE, Kind, Wire
 from dpex.errors import ProtocolError
 
-SID = b"s" * 16
+WIRE = Wire.new()
+SID = WIRE.session_id
+encode_message = WIRE.encode
+encode_data = WIRE.encode_data
+decode = WIRE.decode
 
 
 def frames_bytes(frames):
@@ -13,39 +17,77 @@ def frames_bytes(frames):
 
 
 def test_batch_message_roundtrip():
-    frames = encode_data(SID, epoch=3, seq=41, worker_id=2, batch={"x": torch.arange(5)})
-    assert len(bytes(frames[0])) == HEADER_SIZE and len(frames) == 3
-    msg = decode_message(frames_bytes(frames), SID)
+    frames = encode_data(epoch=3, seq=41, worker_id=2, batch={"x": torch.arange(5)})
+    assert len(bytes(frames[0])) == HEADER_SIZE and len(frames) == 4
+    msg = decode(frames_bytes(frames))
     assert (msg.kind, msg.epoch, msg.seq, msg.worker_id) == (Kind.BATCH, 3, 41, 2)
     assert torch.equal(msg.payload["x"], torch.arange(5))
 
 
 def test_control_message_roundtrip():
-    msg = decode_message(encode_message(Kind.TASKS, SID, 1, -1, 0, [(0, [1, 2])]), SID)
+    msg = decode(encode_message(Kind.TASKS, 1, -1, 0, [(0, [1, 2])]))
     assert msg.kind is Kind.TASKS and msg.payload == [(0, [1, 2])]
 
 
 def test_other_session_is_rejected_before_the_body_is_read():
-    frames = encode_message(Kind.END, b"x" * 16)
-    frames[1] = b"not a pickle"
+    other = Wire(b"x" * 16, WIRE.key)
+    frames = other.encode(Kind.END)
+    frames[2] = b"not a pickle"
     with pytest.raises(ProtocolError) as err:
-        decode_message(frames, SID)
+        decode(frames)
     assert err.value.reason == "session"
 
 
 @pytest.mark.parametrize("mutate, reason", [
-    (lambda f: f[:1], "frame-count"),
+    (lambda f: f[:2], "frame-count"),
     (lambda f: [f[0][:-1], *f[1:]], "header"),
     (lambda f: [bytes([99]) + f[0][1:], *f[1:]], "version"),
     (lambda f: [f[0][:1] + bytes([77]) + f[0][2:], *f[1:]], "kind"),
     (lambda f: [*f, b"extra"], "frame-count"),
-    (lambda f: [f[0], b"\x80\x05garbage"], "body"),
+    (lambda f: [f[0], f[1], b"\x80\x05garbage"], "mac"),  # forged body
+    (lambda f: [f[0][:18] + bytes([9]) + f[0][19:], *f[1:]], "mac"),  # epoch rewritten
+    (lambda f: [f[0], bytes(16), f[2]], "mac"),
+    (lambda f: [f[0], f[1][:-1], f[2]], "mac"),  # truncated MAC
 ])
-def test_malformed_messages_are_rejected_with_a_reason(mutate, reason):
-    frames = frames_bytes(encode_message(Kind.END, SID, 1, 0, 0))
+def test_malformed_and_forged_messages_are_rejected_with_a_reason(mutate, reason):
+    frames = frames_bytes(encode_message(Kind.END, 1, 0, 0))
     with pytest.raises(ProtocolError) as err:
-        decode_message(mutate(frames), SID)
+        decode(mutate(frames))
     assert err.value.reason == reason
+
+
+def test_mac_covers_buffer_sizes_and_another_key_is_refused():
+    frames = frames_bytes(encode_data(1, 0, 0, torch.arange(8)))
+    with pytest.raises(ProtocolError, match="mac"):
+        decode([*frames[:3], frames[3][:-8]])  # a truncated tensor buffer
+    with pytest.raises(ProtocolError, match="mac"):
+        Wire(SID, bytes(32)).decode(frames)  # same session id, wrong key
+
+
+def test_a_forged_pickle_is_never_unpickled(tmp_path):
+    import os
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    frames = frames_bytes(encode_message(Kind.END, 1, 0, 0))
+    frames[2] = pickle.dumps(Evil())
+    with pytest.raises(ProtocolError, match="mac"):
+        decode(frames)
+    assert not marker.exists()
+
+
+def test_oversized_messages_are_refused_on_both_sides():
+    small = Wire(SID, WIRE.key, max_message_bytes=4096)
+    with pytest.raises(ProtocolError, match="too-large"):
+        small.encode_data(1, 0, 0, torch.zeros(2048))
+    big = frames_bytes(WIRE.encode_data(1, 0, 0, torch.zeros(2048)))
+    with pytest.raises(ProtocolError, match="too-large"):
+        small.decode(big)  # checked before the MAC is computed
 
 
 def test_error_whose_type_cannot_be_unpickled_keeps_its_slot():
@@ -53,9 +95,10 @@ def test_error_whose_type_cannot_be_unpickled_keeps_its_slot():
         raise ValueError("x")
     except ValueError:
         wrapper = ExceptionWrapper(where="in DataLoader worker process 1")
-    frames = frames_bytes(encode_message(Kind.ERROR, SID, 1, 5, 1, wrapper))
-    frames[1] = frames[1].replace(b"ValueError", b"NoSuchErrr")  # same length, unknown name
-    msg = decode_message(frames, SID)
+    frames = frames_bytes(encode_message(Kind.ERROR, 1, 5, 1, wrapper))
+    frames[2] = frames[2].replace(b"ValueError", b"NoSuchErrr")  # same length, unknown name
+    frames[1] = WIRE._mac(frames[0], frames[2], [])  # an authentic sender
+    msg = decode(frames)
     assert msg.kind is Kind.ERROR and msg.seq == 5
     with pytest.raises(RuntimeError, match="could not be unpickled"):
         msg.payload.reraise()
@@ -66,7 +109,7 @@ def test_worker_error_reraises_with_torch_rules():
         raise KeyError("missing")
     except KeyError:
         wrapper = ExceptionWrapper(where="in DataLoader worker process 0")
-    msg = decode_message(frames_bytes(encode_message(Kind.ERROR, SID, 1, 0, 0, wrapper)), SID)
+    msg = decode(frames_bytes(encode_message(Kind.ERROR, 1, 0, 0, wrapper)))
     with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process 0"):
         msg.payload.reraise()
 
@@ -79,9 +122,9 @@ class _OnlyHere:
 
 
 def test_batch_whose_contents_cannot_be_unpickled_becomes_an_error_in_its_slot(monkeypatch):
-    frames = frames_bytes(encode_data(SID, 2, 9, 1, {"x": torch.arange(3), "o": _OnlyHere(1)}))
+    frames = frames_bytes(encode_data(2, 9, 1, {"x": torch.arange(3), "o": _OnlyHere(1)}))
     monkeypatch.delattr(__import__(__name__), "_OnlyHere")  # the trainer lacks the class
-    msg = decode_message(frames, SID)
+    msg = decode(frames)
     assert (msg.kind, msg.seq, msg.worker_id) == (Kind.ERROR, 9, 1)
     with pytest.raises(RuntimeError, match="batch 9 could not be unpickled"):
         msg.payload.reraise()

@@ -10,11 +10,11 @@ import zmq
 import zmq.asyncio
 
 from dpex._event_loop import LoopThread
-from dpex._protocol import Kind, Message, decode_message, encode_data, encode_message
+from dpex._protocol import Kind, Message, Wire
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
 
-SID = b"k" * 16
+WIRE = Wire.new()
 
 
 async def next_event(handoff, timeout=5.0):
@@ -31,7 +31,7 @@ async def next_event(handoff, timeout=5.0):
 @pytest_asyncio.fixture
 async def session():
     handoff = queue.SimpleQueue()
-    s = TrainerSession(SID, "127.0.0.1", handoff)
+    s = TrainerSession(WIRE, "127.0.0.1", handoff)
     await s.open()
     yield s
     await s.close()
@@ -57,12 +57,12 @@ async def test_tasks_wait_for_hello_then_batches_reach_the_handoff(session, fake
     ctrl, data = fake_worker
     assert session.data_address.startswith("tcp://127.0.0.1:")
     session.send_tasks(0, epoch=1, tasks=[(0, [4, 5])])  # queued: no HELLO yet
-    await ctrl.send_multipart(encode_message(Kind.HELLO, SID, worker_id=0, payload={"pid": 1}))
+    await ctrl.send_multipart(WIRE.encode(Kind.HELLO, worker_id=0, payload={"pid": 1}))
     hello = await next_event(session.handoff)
     assert isinstance(hello, WorkerHello) and hello.worker_id == 0
-    task = decode_message(await asyncio.wait_for(ctrl.recv_multipart(), 5), SID)
+    task = WIRE.decode(await asyncio.wait_for(ctrl.recv_multipart(), 5))
     assert task.kind is Kind.TASKS and task.payload == [(0, [4, 5])]
-    await data.send_multipart(encode_data(SID, 1, 0, 0, torch.tensor([4, 5])), copy=False)
+    await data.send_multipart(WIRE.encode_data(1, 0, 0, torch.tensor([4, 5])), copy=False)
     msg = await next_event(session.handoff)
     assert isinstance(msg, Message) and torch.equal(msg.payload, torch.tensor([4, 5]))
 
@@ -72,12 +72,13 @@ async def test_tasks_wait_for_hello_then_batches_reach_the_handoff(session, fake
 async def test_garbage_and_foreign_messages_are_counted_and_dropped(session, fake_worker):
     _, data = fake_worker
     await data.send_multipart([b"garbage"])
-    await data.send_multipart(encode_message(Kind.END, b"z" * 16, 1, 0, 0))
-    await data.send_multipart(encode_message(Kind.HELLO, SID, 1, 0, 0))  # control kind on data
-    await data.send_multipart(encode_message(Kind.END, SID, 1, 7, 0))
+    await data.send_multipart(Wire(b"z" * 16, WIRE.key).encode(Kind.END, 1, 0, 0))
+    await data.send_multipart(Wire(WIRE.session_id, bytes(32)).encode(Kind.END, 1, 1, 0))
+    await data.send_multipart(WIRE.encode(Kind.HELLO, 1, 0, 0))  # control kind on data
+    await data.send_multipart(WIRE.encode(Kind.END, 1, 7, 0))
     msg = await next_event(session.handoff)
     assert msg.kind is Kind.END and msg.seq == 7  # only the valid one came through
-    assert session.rejected == {"frame-count": 1, "session": 1, "kind": 1}
+    assert session.rejected == {"frame-count": 1, "session": 1, "mac": 1, "kind": 1}
 
 
 def test_loop_thread_starts_runs_and_stops_idempotently():
@@ -109,13 +110,12 @@ def test_loop_thread_run_times_out():
 def test_hellos_arriving_while_tasks_are_sent_are_all_seen():
     """Sends from the training thread's call_soon must not swallow the ROUTER's read edge."""
     import random
-    import secrets
     import threading
     import time
 
     handoff = queue.SimpleQueue()
     loop = LoopThread("dpex-test-loop")
-    sess = TrainerSession(secrets.token_bytes(16), "127.0.0.1", handoff)
+    sess = TrainerSession(Wire.new(), "127.0.0.1", handoff)
     loop.start()
     loop.run(sess.open(), 5)
     ctx = zmq.Context()
@@ -127,7 +127,7 @@ def test_hellos_arriving_while_tasks_are_sent_are_all_seen():
         s.setsockopt(zmq.IDENTITY, b"w%d" % w)
         s.connect(sess.control_address)
         socks.append(s)
-        s.send_multipart(encode_message(Kind.HELLO, sess.session_id, worker_id=w, payload={}))
+        s.send_multipart(sess.wire.encode(Kind.HELLO, worker_id=w, payload={}))
         return s
 
     stop = threading.Event()

@@ -13,7 +13,6 @@ import functools
 import itertools
 import os
 import queue
-import secrets
 import time
 import weakref
 from typing import Any
@@ -24,7 +23,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_in
 
 from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
-from dpex._protocol import Kind, Message
+from dpex._protocol import Kind, Message, Wire
 from dpex._ray_connect import connect_ray, node_address
 from dpex._version import local_versions
 from dpex.client._credits import CreditWindow
@@ -46,10 +45,11 @@ _iterator_ids = itertools.count()
 class _Runtime:
     """Everything one iterator started: loop thread, sockets, actors. Idempotent close."""
 
-    def __init__(self, name: str, handoff: queue.SimpleQueue, options: dict) -> None:
+    def __init__(self, name: str, handoff: queue.SimpleQueue, options: dict,
+                 max_message_bytes: int) -> None:
         host = node_address()  # may raise: before anything that needs closing exists
         self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))
-        self.session = TrainerSession(secrets.token_bytes(16), host, handoff)
+        self.session = TrainerSession(Wire.new(max_message_bytes), host, handoff)
         self.workers = WorkerGroup(options, handoff)
         self.closed = False
 
@@ -86,7 +86,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         ))
         self._handoff: queue.SimpleQueue = queue.SimpleQueue()
         name = f"dpex-loop-{next(_iterator_ids)}"
-        self._runtime = _Runtime(name, self._handoff, actor_options(config.ray_remote_args))
+        self._runtime = _Runtime(name, self._handoff, actor_options(config.ray_remote_args),
+                                 config.max_message_bytes)
         self._finalizer = weakref.finalize(self, self._runtime.close)
         self._session = self._runtime.session
         self._loop = self._runtime.loop
@@ -94,7 +95,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._runtime.open()
             specs = [
                 WorkerSpec(
-                    session_id=self._session.session_id, worker_id=w,
+                    wire=self._session.wire, worker_id=w,
                     num_workers=self._num_workers, base_seed=self._base_seed,
                     data_address=self._session.data_address,
                     control_address=self._session.control_address,

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dpex._protocol import Kind, decode_message, encode_message
+from dpex._protocol import Kind, Wire
 from dpex.client._events import LoopFailure, WorkerHello
 from dpex.errors import ProtocolError
 
@@ -31,8 +31,9 @@ def _identity(worker_id: int) -> bytes:
 class TrainerSession:
     """Sockets, hello handling and task forwarding of one iterator. Loop thread only."""
 
-    def __init__(self, session_id: bytes, host: str, handoff: queue.SimpleQueue) -> None:
-        self.session_id = session_id
+    def __init__(self, wire: Wire, host: str, handoff: queue.SimpleQueue) -> None:
+        self.wire = wire
+        self.session_id = wire.session_id
         self.host = host
         self.handoff = handoff
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -54,6 +55,9 @@ class TrainerSession:
         for sock in (self._data, self._ctrl):
             sock.setsockopt(zmq.LINGER, 0)
         self._ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # No frame bigger than a whole valid message is even buffered.
+        for sock in (self._data, self._ctrl):
+            sock.setsockopt(zmq.MAXMSGSIZE, self.wire.max_message_bytes)
         # Control traffic is bounded by the credit window, so no high-water mark can be hit
         # and a send never fails with EAGAIN (which would lose a task).
         self._ctrl.setsockopt(zmq.SNDHWM, 0)
@@ -79,7 +83,7 @@ class TrainerSession:
         while True:
             frames = await self._data.recv_multipart(copy=False)
             try:
-                msg = decode_message(frames, self.session_id)
+                msg = self.wire.decode(frames)
             except ProtocolError as exc:
                 self.rejected[exc.reason] += 1
                 continue
@@ -94,7 +98,7 @@ class TrainerSession:
         while True:
             identity, *frames = await self._ctrl.recv_multipart()
             try:
-                msg = decode_message(frames, self.session_id)
+                msg = self.wire.decode(frames)
             except ProtocolError as exc:
                 self.rejected[exc.reason] += 1
                 continue
@@ -120,7 +124,7 @@ class TrainerSession:
 
     def send(self, worker_id: int, kind: Kind, epoch: int, payload: Any = None) -> None:
         """Send a control message to one worker, queued until its HELLO arrives."""
-        frames = encode_message(kind, self.session_id, epoch, -1, worker_id, payload)
+        frames = self.wire.encode(kind, epoch, -1, worker_id, payload)
         if worker_id in self._ready:
             self._send(worker_id, frames)
         else:

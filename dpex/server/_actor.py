@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 import zmq.asyncio
 
-from dpex._protocol import Kind, ProtocolError, decode_message, encode_message
+from dpex._protocol import Kind, ProtocolError
 from dpex._version import local_versions
 from dpex.server._worker_state import WorkerSpec, WorkerState
 
@@ -86,7 +86,7 @@ class DpexWorker:
             # Loading the dataset and worker_init_fn count, as in torch, towards the
             # first batch (and torch's ``timeout``).
             await ctrl.send_multipart(
-                encode_message(Kind.HELLO, spec.session_id, worker_id=spec.worker_id, payload=hello)
+                spec.wire.encode(Kind.HELLO, worker_id=spec.worker_id, payload=hello)
             )
             node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
             state = await loop.run_in_executor(executor, WorkerState, spec, shipped, node)
@@ -129,7 +129,7 @@ class DpexWorker:
         while True:
             frames = await ctrl.recv_multipart()
             try:
-                msg = decode_message(frames, spec.session_id)
+                msg = spec.wire.decode(frames)
             except ProtocolError:
                 continue
             if msg.kind is Kind.TASKS:

@@ -18,8 +18,8 @@ from torch.utils.data import IterDataPipe, _DatasetKind
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
-from dpex._protocol import Kind, encode_data, encode_message
-from dpex.errors import WorkerStartupError
+from dpex._protocol import Kind, ProtocolError, Wire
+from dpex.errors import BatchTooLargeError, WorkerStartupError
 
 __all__ = ["WorkerSpec", "WorkerState", "ShippedLoader"]
 
@@ -40,7 +40,7 @@ class ShippedLoader:
 class WorkerSpec:
     """Where and who a worker is for one session (small; travels as a Ray argument)."""
 
-    session_id: bytes
+    wire: Wire  # session id, session key and size limit
     worker_id: int
     num_workers: int
     base_seed: int
@@ -138,13 +138,13 @@ class WorkerState:
 
     def run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         """Fetch and collate one batch; return the frames of its data message."""
-        sid, wid = self.spec.session_id, self.spec.worker_id
+        wire, wid = self.spec.wire, self.spec.worker_id
         torch_worker._worker_info = self.info
         if self.init_error is not None:  # once, as torch; later tasks find no fetcher
             error, self.init_error = self.init_error, None
-            return encode_message(Kind.ERROR, sid, epoch, seq, wid, error)
+            return wire.encode(Kind.ERROR, epoch, seq, wid, error)
         if self.exhausted:
-            return encode_message(Kind.END, sid, epoch, seq, wid)
+            return wire.encode(Kind.END, epoch, seq, wid)
         try:
             if self.fetcher is None:
                 raise UnboundLocalError(  # torch's type for this case, with a clearer text
@@ -154,21 +154,23 @@ class WorkerState:
         except StopIteration:
             if self.loader.dataset_kind == _DatasetKind.Iterable:
                 self.exhausted = True
-                return encode_message(Kind.END, sid, epoch, seq, wid)
+                return wire.encode(Kind.END, epoch, seq, wid)
             return self._error(epoch, seq, indices)
         except Exception:
             return self._error(epoch, seq, indices)
         try:
-            return encode_data(sid, epoch, seq, wid, batch)
+            try:
+                return wire.encode_data(epoch, seq, wid, batch)
+            except ProtocolError as exc:  # too large: the trainer would drop it unseen
+                raise BatchTooLargeError(f"{exc}; raise DpexDataLoader(max_message_bytes=...) "
+                                         "or use smaller batches") from None
         except Exception:
             return self._error(epoch, seq, indices)
 
     def _error(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         wrapper = ExceptionWrapper(where=self._where(seq, indices))
         try:
-            return encode_message(Kind.ERROR, self.spec.session_id, epoch, seq,
-                                  self.spec.worker_id, wrapper)
+            return self.spec.wire.encode(Kind.ERROR, epoch, seq, self.spec.worker_id, wrapper)
         except Exception:  # an exception type that cannot be pickled: keep its text
             wrapper.exc_type = RuntimeError
-            return encode_message(Kind.ERROR, self.spec.session_id, epoch, seq,
-                                  self.spec.worker_id, wrapper)
+            return self.spec.wire.encode(Kind.ERROR, epoch, seq, self.spec.worker_id, wrapper)

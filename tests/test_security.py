@@ -1,0 +1,79 @@
+"""Forged, garbage, oversized and raw bytes at a loader's ports during an epoch."""
+
+import os
+import pickle
+import socket
+import time
+
+import dsets
+import pytest
+import torch
+import zmq
+from dsets import assert_same
+
+from dpex import DpexDataLoader
+from dpex._protocol import Kind, Wire
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(120)]
+
+
+class Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def attack(data_address, control_address, session_id, marker):
+    """Everything an on-path attacker who saw the session id could send, on both ports."""
+    ctx = zmq.Context()
+    forger = Wire(session_id, os.urandom(32))  # right session, wrong key
+    push = ctx.socket(zmq.PUSH)
+    dealer = ctx.socket(zmq.DEALER)
+    for s in (push, dealer):
+        s.setsockopt(zmq.LINGER, 5000)  # closing waits (at most 5 s) until all is delivered
+        s.setsockopt(zmq.SNDTIMEO, 5000)
+    dealer.setsockopt(zmq.IDENTITY, b"w0")
+    push.connect(data_address)
+    dealer.connect(control_address)
+    try:
+        for seq in range(4):
+            frames = forger.encode(Kind.BATCH, 1, seq, seq % 2)
+            frames[2] = pickle.dumps(Evil(marker))
+            push.send_multipart(frames)
+            hello = forger.encode(Kind.HELLO, 0, -1, 0, Evil(marker))
+            dealer.send_multipart(hello)
+        push.send_multipart([b"garbage"])
+        push.send_multipart([b"x" * 36, b"y" * 16, b"z"])
+        push.send_multipart([bytes(2 << 20)])  # over max_message_bytes: dropped by ZeroMQ
+    finally:
+        push.close()
+        dealer.close()
+        ctx.term()
+    for address in (data_address, control_address):
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            # Not even ZMTP (libzmq parses it as legacy ZMTP/1.0 frames; all are refused).
+            raw.sendall(os.urandom(4096))
+
+
+def test_attacks_during_an_epoch_change_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    kw = {"batch_size": 3, "shuffle": True, "num_workers": 2}
+    torch.manual_seed(5)
+    expected = list(dsets.torch_loader(dsets.Squares(60, max_sleep=0.01), **kw))
+    torch.manual_seed(5)
+    loader = DpexDataLoader(dsets.Squares(60, max_sleep=0.01), distribute_mode=True,
+                            max_message_bytes=1 << 20, timeout=30, **kw)
+    it = iter(loader)
+    got = [next(it)]
+    attack(it._session.data_address, it._session.control_address, it._session.session_id,
+           marker)
+    got += list(it)
+    assert_same(expected, got, "epoch")
+    time.sleep(0.2)
+    assert not marker.exists()
+    rejected = it.stats()["rejected"]
+    assert rejected.get("mac", 0) >= 4, rejected  # all data forgeries, at least
+    assert rejected.get("frame-count", 0) >= 1, rejected
