@@ -21,6 +21,8 @@ class DpexConfig:
     ``startup_timeout``: seconds the workers may take to start; not counted in ``timeout``.
     ``max_message_bytes``: the largest batch message accepted (bigger ones are an error
     in the worker, and dropped and counted if they arrive anyway).
+    ``max_worker_restarts``: how often one worker may be replaced per iterator after
+    dying; one death more is a ``WorkerDiedError``.
     """
 
     distribute_mode: bool = False
@@ -28,6 +30,7 @@ class DpexConfig:
     ray_remote_args: Mapping[str, Any] = field(default_factory=dict)
     startup_timeout: float = 120.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_worker_restarts: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.distribute_mode, bool):
@@ -42,3 +45,7 @@ class DpexConfig:
                 or self.max_message_bytes < 1024):
             raise ValueError(
                 f"max_message_bytes must be an int >= 1024, got {self.max_message_bytes!r}")
+        if (not isinstance(self.max_worker_restarts, int)
+                or isinstance(self.max_worker_restarts, bool) or self.max_worker_restarts < 0):
+            raise ValueError(
+                f"max_worker_restarts must be an int >= 0, got {self.max_worker_restarts!r}")

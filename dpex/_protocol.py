@@ -26,7 +26,9 @@ exhausted; the task's slot holds no batch).
 
 Control plane (trainer ROUTER ⇄ worker DEALER): ``HELLO`` (worker → trainer,
 once, carries versions and placement), ``TASKS`` (a list of ``(seq, indices)``),
-``RESUME`` (start epoch ``epoch`` on persistent workers) and ``STOP``.
+``RESUME`` (start epoch ``epoch`` on persistent workers), ``SKIP`` (a replacement
+worker passes over the first ``payload`` batches of its IterableDataset shard,
+which its predecessor already delivered) and ``STOP``.
 
 Decoding never raises anything but :class:`~dpex.errors.ProtocolError`, whose
 ``reason`` names why the message was rejected.
@@ -55,6 +57,7 @@ __all__ = [
     "Kind",
     "Message",
     "Wire",
+    "worker_identity",
 ]
 
 PROTOCOL_VERSION = 2
@@ -73,6 +76,7 @@ class Kind(enum.IntEnum):
     TASKS = 11
     RESUME = 12
     STOP = 13
+    SKIP = 14
 
 
 DATA_KINDS = frozenset({Kind.BATCH, Kind.ERROR, Kind.END})
@@ -86,6 +90,12 @@ class Message:
     seq: int
     worker_id: int
     payload: Any = None
+
+
+def worker_identity(worker_id: int, incarnation: int) -> bytes:
+    """The ZeroMQ identity of one incarnation of a worker: a replacement never
+    shares its predecessor's route."""
+    return b"w%d.%d" % (worker_id, incarnation)
 
 
 def _nbytes(frame: Any) -> int:

@@ -33,6 +33,8 @@ class DpexDataLoader(DataLoader[T_co]):
       spread across nodes).
     - ``startup_timeout`` (default 120 s): how long workers may take to start.
     - ``max_message_bytes`` (default 2 GiB): the largest batch accepted.
+    - ``max_worker_restarts`` (default 3): a worker that dies is replaced and its
+      outstanding batches re-sent, up to this many times per worker and iterator.
 
     The batches, their order, seeds and ``get_worker_info()`` inside workers are
     those torch gives for the same arguments and generator.
@@ -63,6 +65,7 @@ class DpexDataLoader(DataLoader[T_co]):
         ray_remote_args: Mapping[str, Any] | None = None,
         startup_timeout: float = 120.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_worker_restarts: int = 3,
     ) -> None:
         if isinstance(batch_size, bool):
             raise TypeError(
@@ -70,7 +73,7 @@ class DpexDataLoader(DataLoader[T_co]):
                 "order; pass distribute_mode=... and head_address=... by keyword"
             )
         config = DpexConfig(distribute_mode, head_address, dict(ray_remote_args or {}),
-                            startup_timeout, max_message_bytes)
+                            startup_timeout, max_message_bytes, max_worker_restarts)
         # Public attributes named like the parameters: frameworks (Lightning) rebuild the
         # loader from them, so they must exist under exactly these names.
         self.distribute_mode = config.distribute_mode
@@ -78,6 +81,7 @@ class DpexDataLoader(DataLoader[T_co]):
         self.ray_remote_args = dict(config.ray_remote_args)
         self.startup_timeout = config.startup_timeout
         self.max_message_bytes = config.max_message_bytes
+        self.max_worker_restarts = config.max_worker_restarts
         self._live_iterators: weakref.WeakSet = weakref.WeakSet()
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
@@ -90,7 +94,7 @@ class DpexDataLoader(DataLoader[T_co]):
     def dpex_config(self) -> DpexConfig:
         """dpex's settings as one validated, frozen object."""
         return DpexConfig(self.distribute_mode, self.head_address, dict(self.ray_remote_args),
-                          self.startup_timeout, self.max_message_bytes)
+                          self.startup_timeout, self.max_message_bytes, self.max_worker_restarts)
 
     @property
     def _distributed(self) -> bool:

@@ -106,12 +106,14 @@ def test_persistent_loader_starts_afresh_after_its_workers_died():
     from dpex.errors import WorkerDiedError
 
     loader = DpexDataLoader(dsets.Slow(0.05, n=40), batch_size=2, num_workers=2,
-                            persistent_workers=True, distribute_mode=True)
+                            persistent_workers=True, max_worker_restarts=0,
+                            distribute_mode=True)
     it = iter(loader)
     next(it)
     worker_pids(it)  # both up: a worker killed while starting is a start-up failure
     ray.kill(it._runtime.workers.actors[1], no_restart=True)
-    with pytest.raises(WorkerDiedError, match="dpex worker 1"):
+    with pytest.raises(WorkerDiedError, match=r"dpex worker 1 \(pid \d+, node [\d.]+\) died "
+                       r"after 0 restart\(s\)"):
         list(it)
     assert it.closed
     assert len(list(loader)) == 20 and loader._iterator is not it  # new workers

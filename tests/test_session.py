@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from dpex._event_loop import LoopThread
-from dpex._protocol import Kind, Message, Wire
+from dpex._protocol import Kind, Message, Wire, worker_identity
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
 
@@ -43,7 +43,7 @@ def fake_worker(session):
     ctrl, data = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
     for sock in (ctrl, data):
         sock.setsockopt(zmq.LINGER, 0)
-    ctrl.setsockopt(zmq.IDENTITY, b"w0")
+    ctrl.setsockopt(zmq.IDENTITY, worker_identity(0, 0))
     ctrl.connect(session.control_address)
     data.connect(session.data_address)
     yield ctrl, data
@@ -124,7 +124,7 @@ def test_hellos_arriving_while_tasks_are_sent_are_all_seen():
     def dealer(w):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.IDENTITY, b"w%d" % w)
+        s.setsockopt(zmq.IDENTITY, worker_identity(w, 0))
         s.connect(sess.control_address)
         socks.append(s)
         s.send_multipart(sess.wire.encode(Kind.HELLO, worker_id=w, payload={}))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["WorkerHello", "WorkerExit", "LoopFailure"]
@@ -22,6 +23,8 @@ class WorkerExit:
 
     worker_id: int
     error: BaseException | None
+    incarnation: int = 0
+    at: float = field(default_factory=time.monotonic)  # when Ray reported it
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ ordering buffer and released in sequence order.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import os
@@ -18,7 +19,7 @@ import weakref
 from typing import Any
 
 import ray
-from torch.utils.data import IterDataPipe, MapDataPipe, _utils
+from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind, _utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from dpex._config import DpexConfig
@@ -28,6 +29,7 @@ from dpex._ray_connect import connect_ray, node_address
 from dpex._version import local_versions
 from dpex.client._credits import CreditWindow
 from dpex.client._events import LoopFailure, WorkerExit, WorkerHello
+from dpex.client._ledger import TaskLedger
 from dpex.client._ordering import OrderingBuffer
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
@@ -93,7 +95,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._loop = self._runtime.loop
         try:
             self._runtime.open()
-            specs = [
+            self._specs = [
                 WorkerSpec(
                     wire=self._session.wire, worker_id=w,
                     num_workers=self._num_workers, base_seed=self._base_seed,
@@ -106,11 +108,19 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 for w in range(self._num_workers)
             ]
             self._startup_deadline = time.monotonic() + self._startup_timeout
-            self._runtime.workers.start(specs, ray.put(shipped))
+            self._shipped = ray.put(shipped)  # kept: replacements load the same object
+            self._runtime.workers.start(self._specs, self._shipped)
         except BaseException:
             self._runtime.close()
             raise
         self._ready: dict[int, dict] = {}
+        self._known: dict[int, dict] = {}  # the last HELLO of each worker id
+        self._recoveries: list[dict] = []  # one per restart: when reported, when ready
+        self._incarnation = [0] * self._num_workers
+        self._restarts = [0] * self._num_workers
+        self._max_restarts = config.max_worker_restarts
+        self._worker_shared_seed = self._shared_seed  # what a replacement starts with
+        self._ledger = TaskLedger(self._num_workers)
         self._credits = CreditWindow(self._prefetch_factor * self._num_workers)
         self._buffer = OrderingBuffer(self._in_order)
         self._epoch = 0
@@ -124,14 +134,14 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._epoch += 1
         self._buffer.reset()
         self._credits.reset()
-        self._task_worker: dict[int, int] = {}
-        self._worker_tasks = [0] * self._num_workers  # outstanding per worker (in_order=False)
+        self._ledger.reset()
         self._send_idx = 0
         self._active = [True] * self._num_workers
         self._worker_cycle = itertools.cycle(range(self._num_workers))
         if not first_iter:
             if self._runtime.closed:
                 raise DpexError("this dpex iterator was closed; iterate the loader again")
+            self._worker_shared_seed = self._shared_seed
             for w in range(self._num_workers):
                 # The payload is the IterDataPipe seed of the new epoch (None otherwise).
                 self._loop.call_soon(self._session.send, w, Kind.RESUME, self._epoch,
@@ -144,7 +154,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         share = self._credits.capacity // max(1, sum(self._active))
         for _ in range(self._num_workers):
             w = next(self._worker_cycle)
-            if self._active[w] and (self._in_order or self._worker_tasks[w] < share):
+            if self._active[w] and (self._in_order or self._ledger.held(w) < share):
                 return w
         return None
 
@@ -165,8 +175,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 break
             self._credits.acquire()
             seq, self._send_idx = self._send_idx, self._send_idx + 1
-            self._task_worker[seq] = w
-            self._worker_tasks[w] += 1
+            self._ledger.dispatch(seq, w, index)
+            self._last_index = index  # an IterableDataset's are all alike: placeholders
             tasks[w].append((seq, index))
         for w, batch in tasks.items():
             self._loop.call_soon(self._session.send_tasks, w, self._epoch, batch)
@@ -174,9 +184,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     # -- consuming -------------------------------------------------------------
 
     def _consume(self, seq: int) -> None:
-        w = self._task_worker.pop(seq, None)
-        if w is not None:
-            self._worker_tasks[w] -= 1
+        self._ledger.consumed(seq)
         self._credits.release()
         self._dispatch(1)
 
@@ -184,7 +192,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         # Slots given to an IterableDataset worker that is already exhausted hold nothing.
         while self._buffer.next_seq < self._send_idx:
             seq = self._buffer.next_seq
-            if seq in self._buffer or self._active[self._task_worker[seq]]:
+            if seq in self._buffer or self._active[self._ledger.worker_of(seq)]:
                 break
             self._buffer.skip(seq)
             self._consume(seq)
@@ -254,11 +262,15 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
 
     def _on_message(self, msg: Message) -> None:
-        if msg.epoch != self._epoch or msg.seq not in self._task_worker:
+        owner = self._ledger.worker_of(msg.seq)
+        if msg.epoch != self._epoch or owner is None:
             self._counters["stale"] += 1
             return
-        if msg.worker_id != self._task_worker[msg.seq]:
+        if msg.worker_id != owner:
             self._counters["misrouted"] += 1
+            return
+        if not self._ledger.received(msg.seq):  # e.g. late, from a worker presumed dead
+            self._counters["duplicate"] += 1
             return
         if msg.kind is Kind.END:
             self._active[msg.worker_id] = False
@@ -275,23 +287,56 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 "versions on every node"
             )
         self._ready[hello.worker_id] = hello.info
+        self._known[hello.worker_id] = hello.info
+        for rec in self._recoveries:
+            if rec["worker"] == hello.worker_id and "ready_at" not in rec:
+                rec["ready_at"] = time.monotonic()
 
     def _on_exit(self, exit_: WorkerExit) -> None:
-        if self._runtime.closed:
-            return
-        where = self._ready.get(exit_.worker_id, {}).get("node_ip", "unknown node")
-        self._shutdown_workers()
+        w = exit_.worker_id
+        if self._runtime.closed or exit_.incarnation != self._incarnation[w]:
+            return  # stopping, or a predecessor already replaced
+        where = self._known.get(w, {}).get("node_ip", "unknown node")
         cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
-        if exit_.worker_id not in self._ready or isinstance(cause, WorkerStartupError):
+        fatal = w not in self._known or isinstance(cause, WorkerStartupError)
+        if not fatal and self._restarts[w] < self._max_restarts:
+            self._recoveries.append({"worker": w, "reported_at": exit_.at,
+                                     "cause": type(cause).__name__})
+            self._restart(w)
+            return
+        self._shutdown_workers()
+        if fatal:
             what = str(cause) if isinstance(cause, WorkerStartupError) else (
                 f"{type(cause).__name__}: {cause}")
             raise WorkerStartupError(
                 f"dpex worker {exit_.worker_id} (node {where}) failed to start: {what}"
             ) from exit_.error
+        pid = self._known.get(w, {}).get("pid", "?")
         raise WorkerDiedError(
-            f"dpex worker {exit_.worker_id} (pid {self._ready[exit_.worker_id].get('pid')}, "
-            f"node {where}) exited while batches were outstanding: {exit_.error!r}"
+            f"dpex worker {w} (pid {pid}, node {where}) died after {self._restarts[w]} "
+            f"restart(s), the most max_worker_restarts={self._max_restarts} allows: "
+            f"{type(cause).__name__}: {cause}"
         ) from exit_.error
+
+    def _restart(self, w: int) -> None:
+        """Start a replacement with the same worker id (same seed, worker_init_fn run
+        again) and send it every task of this epoch whose result has not arrived."""
+        self._restarts[w] += 1
+        self._incarnation[w] += 1
+        self._counters["restarted"] += 1
+        self._ready.pop(w, None)
+        self._startup_deadline = time.monotonic() + self._startup_timeout
+        spec = dataclasses.replace(self._specs[w], incarnation=self._incarnation[w],
+                                   shared_seed=self._worker_shared_seed)
+        self._loop.call_soon(self._session.expect, w, spec.incarnation)
+        self._runtime.workers.restart(spec, self._shipped)
+        if self._dataset_kind == _DatasetKind.Iterable and self._ledger.delivered(w):
+            self._loop.call_soon(self._session.send, w, Kind.SKIP, self._epoch,
+                                 (self._ledger.delivered(w), self._last_index))
+        tasks = self._ledger.outstanding(w)
+        if tasks:
+            self._counters["redispatched"] += len(tasks)
+            self._loop.call_soon(self._session.send_tasks, w, self._epoch, tasks)
 
     def _startup_failure(self) -> WorkerStartupError:
         missing = sorted(set(range(self._num_workers)) - set(self._ready))
@@ -326,6 +371,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             "credits_in_flight": self._credits.in_flight,
             **session,
             "dropped": dict(self._counters),
+            "recoveries": [dict(r) for r in self._recoveries],
         }
 
     def __del__(self) -> None:

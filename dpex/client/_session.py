@@ -17,15 +17,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dpex._protocol import Kind, Wire
+from dpex._protocol import Kind, Wire, worker_identity
 from dpex.client._events import LoopFailure, WorkerHello
 from dpex.errors import ProtocolError
 
 __all__ = ["TrainerSession"]
-
-
-def _identity(worker_id: int) -> bytes:
-    return b"w%d" % worker_id
 
 
 class TrainerSession:
@@ -43,6 +39,7 @@ class TrainerSession:
         self._data: zmq.asyncio.Socket | None = None
         self._ctrl: zmq.asyncio.Socket | None = None
         self._ready: set[int] = set()
+        self._identities: dict[int, bytes] = {}
         self._pending: dict[int, list[list[bytes]]] = collections.defaultdict(list)
         self._tasks: list[asyncio.Task] = []
         self.data_address = ""
@@ -102,7 +99,7 @@ class TrainerSession:
             except ProtocolError as exc:
                 self.rejected[exc.reason] += 1
                 continue
-            if msg.kind is not Kind.HELLO or identity != _identity(msg.worker_id):
+            if msg.kind is not Kind.HELLO or identity != self._identity(msg.worker_id):
                 self.rejected["kind"] += 1
                 continue
             self._ready.add(msg.worker_id)
@@ -110,11 +107,22 @@ class TrainerSession:
                 self._send(msg.worker_id, frames_out)
             self.handoff.put(WorkerHello(msg.worker_id, msg.payload))
 
+    def _identity(self, worker_id: int) -> bytes:
+        return self._identities.get(worker_id) or worker_identity(worker_id, 0)
+
+    def expect(self, worker_id: int, incarnation: int) -> None:
+        """A replacement for ``worker_id`` is starting: forget its predecessor's route
+        and whatever was queued for it; queue anew until the replacement's HELLO."""
+        self._identities[worker_id] = worker_identity(worker_id, incarnation)
+        self._ready.discard(worker_id)
+        self._pending.pop(worker_id, None)
+
     def _send(self, worker_id: int, frames: list[bytes]) -> None:
         # Through the asyncio socket, never a shadow of it: a send on a shadow consumes
         # the socket's readiness edge unseen and a waiting receive (a HELLO) stalls.
         assert self._ctrl is not None
-        done = self._ctrl.send_multipart([_identity(worker_id), *frames], flags=zmq.NOBLOCK)
+        done = self._ctrl.send_multipart([self._identity(worker_id), *frames],
+                                         flags=zmq.NOBLOCK)
         exc = done.exception() if done.done() else None
         if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
             # The worker went away; Ray reports its exit, which the iterator acts on.

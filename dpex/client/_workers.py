@@ -55,19 +55,36 @@ class WorkerGroup:
         check_placeable(self.options, len(specs))
         remote_cls = ray.remote(DpexWorker).options(**self.options)
         for spec in specs:
-            actor = remote_cls.remote()
-            self.actors[spec.worker_id] = actor
-            ref = actor.serve.remote(spec, shipped)
-            ref.future().add_done_callback(self._on_exit(spec.worker_id))
+            self._start_one(remote_cls, spec, shipped)
 
-    def _on_exit(self, worker_id: int) -> Any:
+    def _start_one(self, remote_cls: Any, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+        actor = remote_cls.remote()
+        self.actors[spec.worker_id] = actor
+        ref = actor.serve.remote(spec, shipped)
+        # Ray fails this reference as soon as the actor dies (process killed, node
+        # lost): liveness without polling.
+        ref.future().add_done_callback(self._on_exit(spec.worker_id, spec.incarnation))
+
+    def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+        """Replace the actor of ``spec.worker_id`` (killing the old one if it lingers)."""
+        if self._stopped:
+            return
+        old = self.actors.get(spec.worker_id)
+        if old is not None:
+            try:
+                ray.kill(old, no_restart=True)
+            except Exception:
+                pass  # already gone
+        self._start_one(ray.remote(DpexWorker).options(**self.options), spec, shipped)
+
+    def _on_exit(self, worker_id: int, incarnation: int) -> Any:
         def report(fut: Any) -> None:
             try:
                 fut.result()
             except BaseException as exc:
-                self.events.put(WorkerExit(worker_id, exc))
+                self.events.put(WorkerExit(worker_id, exc, incarnation))
             else:
-                self.events.put(WorkerExit(worker_id, None))
+                self.events.put(WorkerExit(worker_id, None, incarnation))
         return report
 
     def stop(self) -> None:

@@ -16,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 import zmq.asyncio
 
-from dpex._protocol import Kind, ProtocolError
+from dpex._protocol import Kind, ProtocolError, worker_identity
 from dpex._version import local_versions
 from dpex.server._worker_state import WorkerSpec, WorkerState
 
 __all__ = ["DpexWorker"]
 
 _RESUME = object()
+_SKIP = object()
 
 
 def _set_thread_niceness(niceness: int) -> None:
@@ -77,7 +78,7 @@ class DpexWorker:
         try:
             for sock in (ctrl, data):
                 sock.setsockopt(zmq.LINGER, 0)
-            ctrl.setsockopt(zmq.IDENTITY, b"w%d" % spec.worker_id)
+            ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation))
             ctrl.connect(spec.control_address)
             data.connect(spec.data_address)
             hello = {"versions": local_versions(), **self.placement,
@@ -110,6 +111,9 @@ class DpexWorker:
                     if item[0] is _RESUME:
                         await loop.run_in_executor(executor, state.resume, item[1])
                         continue
+                    if item[0] is _SKIP:
+                        await loop.run_in_executor(executor, state.skip, *item[1])
+                        continue
                     epoch, seq, indices = item
                     frames = await loop.run_in_executor(executor, state.run_task, epoch, seq, indices)
                     await data.send_multipart(frames, copy=False)
@@ -138,6 +142,8 @@ class DpexWorker:
                 # Tasks of the epoch being abandoned are not worth computing.
                 pending.clear()
                 pending.append((_RESUME, msg.payload))
+            elif msg.kind is Kind.SKIP:
+                pending.append((_SKIP, msg.payload))
             elif msg.kind is Kind.STOP:
                 self._stop.set()
             wake.set()

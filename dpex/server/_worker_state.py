@@ -49,6 +49,7 @@ class WorkerSpec:
     trainer_versions: dict
     niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
     shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
+    incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement
 
 
 def _seed_like_torch(base_seed: int, worker_id: int) -> int:
@@ -135,6 +136,22 @@ class WorkerState:
         self.exhausted = False
         self._seed_datapipe(shared_seed)
         self.fetcher = self._new_fetcher()
+
+    def skip(self, n: int, index: Any) -> None:
+        """A replacement's fast-forward: pass over the first ``n`` batches of this
+        worker's IterableDataset shard, which its predecessor already delivered
+        (``index`` is the sampler's placeholder for one batch)."""
+        torch_worker._worker_info = self.info
+        if self.loader.dataset_kind != _DatasetKind.Iterable or self.fetcher is None:
+            return
+        for _ in range(n):
+            try:
+                self.fetcher.fetch(index)
+            except StopIteration:
+                self.exhausted = True
+                return
+            except Exception:
+                continue  # it was delivered as an error in its slot already
 
     def run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         """Fetch and collate one batch; return the frames of its data message."""

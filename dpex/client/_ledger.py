@@ -1,0 +1,72 @@
+"""Which worker holds which task of the current epoch: the record recovery replays.
+
+Pure bookkeeping, no I/O. A task is *dispatched* to a worker, then *received*
+(its result reached the trainer) and finally *consumed* (taken by the training
+loop, which returns its credit). Invariant, per worker ``w``::
+
+    outstanding(w) == [tasks of w dispatched and not yet received], in seq order
+    held(w) == number of tasks of w dispatched and not yet consumed
+
+When a worker dies, ``outstanding(w)`` is exactly what must be sent again, and
+``delivered(w)`` is how many of its results this epoch already reached the
+trainer (an IterableDataset replacement skips that many batches of its shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TaskLedger"]
+
+
+class TaskLedger:
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.reset()
+
+    def reset(self) -> None:
+        """A new epoch: nothing dispatched yet."""
+        self._worker: dict[int, int] = {}
+        self._indices: dict[int, Any] = {}  # dispatched, not yet received
+        self._held = [0] * self.num_workers
+        self._delivered = [0] * self.num_workers
+
+    def dispatch(self, seq: int, worker_id: int, indices: Any) -> None:
+        if seq in self._worker:
+            raise ValueError(f"task {seq} was already dispatched")
+        self._worker[seq] = worker_id
+        self._indices[seq] = indices
+        self._held[worker_id] += 1
+
+    def worker_of(self, seq: int) -> int | None:
+        """The worker a live (not consumed) task belongs to; None if there is no such task."""
+        return self._worker.get(seq)
+
+    def received(self, seq: int) -> bool:
+        """Record that the result of ``seq`` arrived; False if it was not outstanding
+        (a duplicate from a worker presumed dead, or a task of another epoch)."""
+        if self._indices.pop(seq, _MISSING) is _MISSING:
+            return False
+        self._delivered[self._worker[seq]] += 1
+        return True
+
+    def consumed(self, seq: int) -> None:
+        """The training loop took (or skipped) ``seq``: its slot is free."""
+        w = self._worker.pop(seq, None)
+        self._indices.pop(seq, None)
+        if w is not None:
+            self._held[w] -= 1
+
+    def held(self, worker_id: int) -> int:
+        return self._held[worker_id]
+
+    def delivered(self, worker_id: int) -> int:
+        return self._delivered[worker_id]
+
+    def outstanding(self, worker_id: int) -> list[tuple[int, Any]]:
+        """``(seq, indices)`` of the tasks of ``worker_id`` whose results have not arrived."""
+        return sorted(((seq, idx) for seq, idx in self._indices.items()
+                       if self._worker[seq] == worker_id), key=lambda task: task[0])
+
+
+_MISSING = object()

@@ -1,0 +1,144 @@
+"""Workers killed mid-epoch: the epoch is still exactly torch's, nothing lost or repeated."""
+
+import os
+import signal
+import time
+
+import dsets
+import pytest
+import torch
+from dsets import assert_same
+
+from dpex import DpexDataLoader, WorkerDiedError
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
+
+
+def ready_pids(it, limit=60.0):
+    deadline = time.monotonic() + limit
+    while len(it._ready) < it._num_workers and time.monotonic() < deadline:
+        it._receive_one()
+    assert len(it._ready) == it._num_workers, "workers did not start"
+    return {w: info["pid"] for w, info in it._ready.items()}
+
+
+def kill(pid):
+    os.kill(pid, signal.SIGKILL)
+
+
+def run_with_kills(loader, kill_at, victims, n_epochs=1, kill_epoch=0):
+    """Iterate ``n_epochs``; in epoch ``kill_epoch`` after ``kill_at`` batches SIGKILL the
+    ``victims`` (worker ids). Returns the batches and the last iterator's stats."""
+    out = []
+    for epoch in range(n_epochs):
+        it = iter(loader)
+        batches = []
+        for i, batch in enumerate(it):
+            batches.append(batch)
+            if epoch == kill_epoch and i + 1 == kill_at:
+                pids = ready_pids(it)
+                for w in victims:
+                    kill(pids[w])
+        out.append(batches)
+        stats = it.stats()
+    return out, stats
+
+
+def reference(dataset, n_epochs, seed, **kw):
+    torch.manual_seed(seed)
+    loader = dsets.torch_loader(dataset, **kw)
+    return [list(loader) for _ in range(n_epochs)]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_map_style_epoch_is_exact_after_a_worker_is_killed(persistent):
+    kw = {"batch_size": 3, "shuffle": True, "num_workers": 2, "persistent_workers": persistent}
+    dataset = dsets.Squares(60, max_sleep=0.02)
+    expected = reference(dataset, 2, 7, **kw)
+    torch.manual_seed(7)
+    loader = DpexDataLoader(dataset, distribute_mode=True, timeout=60, **kw)
+    got, stats = run_with_kills(loader, kill_at=4, victims=[1], n_epochs=2,
+                                kill_epoch=1 if persistent else 0)
+    assert_same(expected, got, "epochs")
+    if persistent:
+        assert stats["dropped"].get("restarted") == 1, stats
+    loader.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_iterable_shard_is_fast_forwarded_by_the_replacement(persistent):
+    kw = {"batch_size": 2, "num_workers": 2, "persistent_workers": persistent}
+    dataset = dsets.ShardedRange(n=40, extra_for_worker0=3, max_sleep=0.02)
+    expected = reference(dataset, 1, 0, **kw)
+    loader = DpexDataLoader(dataset, distribute_mode=True, timeout=60, **kw)
+    got, stats = run_with_kills(loader, kill_at=5, victims=[0])
+    assert_same(expected, got, "epoch")
+    assert stats["dropped"].get("restarted") == 1, stats
+    loader.close()
+
+
+def test_two_workers_killed_at_once():
+    kw = {"batch_size": 4, "shuffle": True, "num_workers": 3}
+    dataset = dsets.Squares(90, max_sleep=0.02)
+    expected = reference(dataset, 1, 3, **kw)
+    torch.manual_seed(3)
+    loader = DpexDataLoader(dataset, distribute_mode=True, timeout=60, **kw)
+    got, stats = run_with_kills(loader, kill_at=3, victims=[0, 2])
+    assert_same(expected, got, "epoch")
+    assert stats["dropped"].get("restarted") == 2, stats
+
+
+def test_past_max_worker_restarts_the_error_names_the_worker_and_node():
+    loader = DpexDataLoader(dsets.Squares(200, max_sleep=0.02), batch_size=2, num_workers=2,
+                            max_worker_restarts=1, timeout=60, distribute_mode=True)
+    it = iter(loader)
+    next(it)
+    kill(ready_pids(it)[1])
+    with pytest.raises(WorkerDiedError) as err:
+        for _ in it:
+            if it.stats()["dropped"].get("restarted") == 1 and len(it._ready) == 2:
+                kill(it._ready[1]["pid"])
+                break
+        for _ in it:
+            pass
+    msg = str(err.value)
+    assert "dpex worker 1" in msg and "died after 1 restart(s)" in msg
+    assert "max_worker_restarts=1" in msg and "node " in msg
+
+
+TRAINER = """
+import sys, time, torch
+from dpex import DpexDataLoader
+loader = DpexDataLoader(torch.arange(10_000), batch_size=2, num_workers=2, distribute_mode=True)
+it = iter(loader)
+next(it)
+while len(it._ready) < 2:
+    it._receive_one()
+print("PIDS", *[info["pid"] for info in it._ready.values()], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_trainer_leaves_no_worker_behind():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # "auto" joins this test session's Ray instance, the newest one on this machine.
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.monotonic() + 90
+        while not line.startswith("PIDS") and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 2 and dsets.pids_alive(pids) == pids
+    finally:
+        proc.kill()
+        proc.wait(10)
+    t0 = time.monotonic()
+    while dsets.pids_alive(pids) and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert dsets.pids_alive(pids) == [], f"workers alive {time.monotonic() - t0:.1f} s later"
+    print(f"workers gone {time.monotonic() - t0:.2f} s after the trainer was killed")
