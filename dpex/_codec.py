@@ -8,7 +8,8 @@ copy into fresh, writable memory, so the received frame can be released at once.
 
 Torch pickles a tensor's storage in-band even with protocol 5, which is why
 tensors get their own reducer here. Tensors this codec does not lift (sparse,
-quantized, non-CPU, subclasses) fall back to torch's own pickling.
+quantized, subclasses) fall back to torch's own pickling. A tensor on a device
+(CUDA, ...) is refused with a clear error: a worker's batch must be on the CPU.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def _rebuild_ndarray(buf: Any, dtype: np.dtype, shape: tuple) -> np.ndarray:
 
 class _BatchPickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            raise TypeError(
+                f"the batch holds a tensor on device {obj.device} (shape {tuple(obj.shape)}); "
+                "dpex workers send CPU tensors: return CPU tensors from the dataset and "
+                "collate_fn and move batches to the device in the training loop "
+                "(pin_memory=True makes that copy faster)")
         if type(obj) is torch.Tensor:
             if obj.layout == torch.strided and obj.device.type == "cpu" and not obj.is_quantized:
                 raw = pickle.PickleBuffer(_tensor_bytes(obj))

@@ -117,3 +117,8 @@ def test_unsupported_tensor_kinds_fall_back_to_torch_pickling():
 def test_structure_is_standard_pickle():
     structure, *buffers = encode_batch({"a": 1})
     assert pickle.loads(bytes(structure)) == {"a": 1} and buffers == []
+
+
+def test_a_tensor_on_a_device_is_refused_with_a_clear_error():
+    with pytest.raises(TypeError, match=r"tensor on device meta .*return CPU tensors"):
+        encode_batch({"x": torch.empty(2, 3, device="meta")})

@@ -204,3 +204,36 @@ def test_a_batch_over_max_message_bytes_is_an_error_in_its_slot():
     assert len(got) == 1 and isinstance(err, BatchTooLargeError)
     assert "batch 1 is" in str(err) and "max_message_bytes=65,536" in str(err)
     assert "Caught BatchTooLargeError in DataLoader worker process 1" in str(err)
+
+
+def test_dataset_returning_device_tensors_gets_a_clear_error():
+    loader = DpexDataLoader(dsets.OnDevice(4), batch_size=2, num_workers=1, distribute_mode=True)
+    got, err = take_until_error(loader)
+    assert got == [] and isinstance(err, TypeError)
+    assert "Caught TypeError in DataLoader worker process 0" in str(err)
+    assert "tensor on device meta" in str(err)
+
+
+def test_worker_with_other_versions_is_refused_at_handshake(monkeypatch):
+    from dpex.client import _iterator
+
+    real = _iterator.local_versions()
+    monkeypatch.setattr(_iterator, "local_versions", lambda: {**real, "dpex": "9.9.9"})
+    loader = DpexDataLoader(dsets.Squares(4), batch_size=2, num_workers=1,
+                            distribute_mode=True)
+    with pytest.raises(WorkerStartupError, match=r"runs .*'dpex': '0\.1\.0'.* but this trainer "
+                       r"runs .*'dpex': '9\.9\.9'.*install the same Python and dpex"):
+        list(loader)
+
+
+def test_unpicklable_collate_fn_names_itself_and_the_failing_part():
+    lock = threading.Lock()
+
+    def collate(items):
+        with lock:
+            return items
+
+    loader = DpexDataLoader(dsets.Squares(4), num_workers=1, collate_fn=collate,
+                            distribute_mode=True)
+    with pytest.raises(DatasetNotPicklableError, match=r"the collate_fn .*cannot be pickled"):
+        iter(loader)
