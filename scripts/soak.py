@@ -86,7 +86,12 @@ def plot(samples: list[dict], path: str) -> None:
     ax2 = ax.twinx()
     ax2.plot(x, [s["fds"] for s in samples], color="tab:orange", label="open fds")
     ax2.set_ylabel("open file descriptors")
-    fig.legend(loc="lower right")
+    # Axes at least ±5 around the data: a flat line should look flat.
+    rss = [s["rss_mib"] for s in samples]
+    fds = [s["fds"] for s in samples]
+    ax.set_ylim(min(rss) - 5, max(rss) + 5)
+    ax2.set_ylim(min(fds) - 5, max(fds) + 5)
+    fig.legend(loc="upper right", bbox_to_anchor=(0.85, 0.85))
     ax.set_title("dpex soak: trainer memory and file descriptors")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
