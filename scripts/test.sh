@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv (torch, dpex, test extras) and run the whole test suite.
 # Extra arguments go to pytest, e.g. `scripts/test.sh -k parity -x`.
-DPEX_EXTRAS=test,dev,examples
+DPEX_EXTRAS=test,dev,examples,bench
 source "$(dirname "$0")/_env.sh"
 # pytest exits 5 when it collects nothing: with `set -e` that fails the run too.
 python -m pytest "$@"

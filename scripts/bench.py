@@ -1,0 +1,253 @@
+"""Benchmark: dpex (distribute_mode=True) against torch's DataLoader, A/B in one run.
+
+Both loaders get the same dataset, num_workers and prefetch_factor; runs
+alternate (torch, dpex, dpex, torch, ...) so machine noise hits both alike.
+Reported per scenario and loader: median and min–max of batches/s, GB/s, the
+dpex/torch ratio, the trainer process's CPU time per batch, time to the first
+batch (cold: fresh workers; warm: persistent workers, next epoch) and the
+trainer's peak RSS above its level before the run. Ray's start is timed apart.
+
+    python scripts/bench.py                          # all scenarios, 3 repeats
+    python scripts/bench.py --scenarios small large --repeats 5
+    python scripts/bench.py --quick                  # a smoke run (seconds)
+
+Writes a markdown table to stdout, and JSON and a PNG plot to --out (default
+docs/bench/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dpex import DpexDataLoader
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Synthetic(Dataset):
+    """Items of one shape and dtype, made without computation (transport-bound)."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, n: int) -> None:
+        self.shape, self.dtype, self.n = shape, dtype, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full(self.shape, i % 251, dtype=self.dtype)
+
+
+class Jpegs(Dataset):
+    """CPU-bound: JPEG decode (Pillow), random-resized crop to 224, flip, to tensor."""
+
+    def __init__(self, n: int, size: tuple = (320, 240), distinct: int = 64) -> None:
+        from PIL import Image
+
+        rng = np.random.default_rng(0)
+        self.n, self.images = n, []
+        for _ in range(distinct):
+            pixels = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+            pixels = np.cumsum(pixels, axis=1, dtype=np.uint16).astype(np.uint8)  # some structure
+            buf = io.BytesIO()
+            Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+            self.images.append(buf.getvalue())
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        from PIL import Image
+
+        img = Image.open(io.BytesIO(self.images[i % len(self.images)])).convert("RGB")
+        w, h = img.size
+        scale = float(torch.empty(()).uniform_(0.3, 1.0))
+        cw, ch = max(8, int(w * scale ** 0.5)), max(8, int(h * scale ** 0.5))
+        x = int(torch.randint(0, w - cw + 1, ()))
+        y = int(torch.randint(0, h - ch + 1, ()))
+        img = img.resize((224, 224), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+        if torch.rand(()) < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.array(img)).permute(2, 0, 1).contiguous()
+
+
+SCENARIOS = {
+    # name: (dataset factory given a number of items, batch size, batches per run)
+    "large": (lambda n: Synthetic((3, 224, 224), torch.uint8, n), 64, 150),
+    "medium": (lambda n: Synthetic((3, 64, 64), torch.float32, n), 32, 300),
+    "small": (lambda n: Synthetic((64,), torch.float32, n), 256, 2000),
+    "cpu": (lambda n: Jpegs(n), 32, 60),
+}
+
+
+class RssPeak:
+    """Samples this process's RSS every 5 ms; ``peak`` is the highest seen."""
+
+    def __init__(self) -> None:
+        self.peak = self.base = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> RssPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
+    make, batch_size, _ = SCENARIOS[scenario]
+    dataset = make(batch_size * batches)
+    kw = {"batch_size": batch_size, "num_workers": args.workers,
+          "prefetch_factor": args.prefetch_factor, "persistent_workers": True}
+    if loader_name == "torch":
+        # forkserver: forking a process connected to Ray breaks Ray's client.
+        loader = DataLoader(dataset, multiprocessing_context="forkserver", **kw)
+    else:
+        loader = DpexDataLoader(dataset, distribute_mode=True, **kw)
+    nbytes = 0
+    with RssPeak() as rss:
+        t0 = time.perf_counter()
+        it = iter(loader)
+        first = next(it)
+        ttfb_cold = time.perf_counter() - t0
+        cpu0, t1 = time.process_time(), time.perf_counter()
+        n = 1
+        for batch in it:
+            nbytes += batch.numel() * batch.element_size()
+            n += 1
+        elapsed, cpu = time.perf_counter() - t1, time.process_time() - cpu0
+        t2 = time.perf_counter()
+        it = iter(loader)  # persistent workers: the next epoch starts warm
+        next(it)
+        ttfb_warm = time.perf_counter() - t2
+    del first, it
+    if loader_name == "dpex":
+        loader.close()
+    else:
+        loader._iterator._shutdown_workers()
+    return {"batches_per_s": (n - 1) / elapsed, "gb_per_s": nbytes / elapsed / 1e9,
+            "cpu_us_per_batch": cpu / (n - 1) * 1e6, "ttfb_cold_ms": ttfb_cold * 1e3,
+            "ttfb_warm_ms": ttfb_warm * 1e3, "peak_rss_mib": (rss.peak - rss.base) / 2**20}
+
+
+def summarize(runs: list[dict]) -> dict:
+    out = {}
+    for key in runs[0]:
+        vals = [r[key] for r in runs]
+        out[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    return out
+
+
+def table(results: dict) -> str:
+    rows = ["| scenario | loader | batches/s (min–max) | GB/s | dpex/torch | trainer CPU µs/batch "
+            "| first batch cold ms | first batch warm ms | peak RSS +MiB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for scenario, by_loader in results.items():
+        t = by_loader["torch"]["batches_per_s"]["median"]
+        for name in ("torch", "dpex"):
+            s = by_loader[name]
+            b = s["batches_per_s"]
+            ratio = f"{b['median'] / t:.2f}×" if name == "dpex" else ""
+            rows.append(
+                f"| {scenario} | {name} | {b['median']:.0f} ({b['min']:.0f}–{b['max']:.0f}) | "
+                f"{s['gb_per_s']['median']:.2f} | {ratio} | "
+                f"{s['cpu_us_per_batch']['median']:.0f} | {s['ttfb_cold_ms']['median']:.0f} | "
+                f"{s['ttfb_warm_ms']['median']:.0f} | {s['peak_rss_mib']['median']:.0f} |")
+    return "\n".join(rows)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for k, loader in enumerate(("torch", "dpex")):
+        med = [results[s][loader]["batches_per_s"]["median"] for s in names]
+        lo = [m - results[s][loader]["batches_per_s"]["min"] for m, s in zip(med, names, strict=True)]
+        hi = [results[s][loader]["batches_per_s"]["max"] - m for m, s in zip(med, names, strict=True)]
+        x = np.arange(len(names)) + (k - 0.5) * 0.38
+        ax.bar(x, med, 0.38, yerr=[lo, hi], capsize=3, label=loader)
+    ax.set_xticks(np.arange(len(names)), names)
+    ax.set_yscale("log")
+    ax.set_ylabel("batches/s (median, min–max)")
+    ax.set_title("dpex vs torch DataLoader, same workers and prefetch")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--prefetch-factor", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny runs, 1 repeat (a smoke test)")
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench"))
+    args = p.parse_args()
+    if args.quick:
+        args.repeats = 1
+    import ray
+
+    t0 = time.perf_counter()
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    ray_start = time.perf_counter() - t0
+    print(f"Ray start: {ray_start:.2f} s (not in any timed region)", flush=True)
+    runs: dict = {s: {"torch": [], "dpex": []} for s in args.scenarios}
+    try:
+        for rep in range(args.repeats):
+            order = ("torch", "dpex") if rep % 2 == 0 else ("dpex", "torch")
+            for scenario in args.scenarios:
+                batches = 8 if args.quick else SCENARIOS[scenario][2]
+                for name in order:
+                    r = one_run(name, scenario, args, batches)
+                    runs[scenario][name].append(r)
+                    print(f"[{rep + 1}/{args.repeats}] {scenario:6s} {name:5s} "
+                          f"{r['batches_per_s']:8.1f} batches/s  {r['gb_per_s']:6.2f} GB/s  "
+                          f"CPU {r['cpu_us_per_batch']:7.0f} µs/batch  first "
+                          f"{r['ttfb_cold_ms']:5.0f}/{r['ttfb_warm_ms']:4.0f} ms", flush=True)
+    finally:
+        ray.shutdown()
+    results = {s: {n: summarize(r) for n, r in by.items()} for s, by in runs.items()}
+    md = table(results)
+    print("\n" + md)
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "workers": args.workers, "prefetch_factor": args.prefetch_factor,
+            "repeats": args.repeats, "ray_start_s": ray_start}
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "results": results, "runs": runs}, f, indent=1)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(md + "\n")
+    plot(results, os.path.join(args.out, "bench.png"))
+    print(f"wrote {args.out}/bench.json, bench.md, bench.png")
+
+
+if __name__ == "__main__":
+    main()
