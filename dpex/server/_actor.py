@@ -1,17 +1,17 @@
 """The worker actor: an asyncio streaming server for one session at a time.
 
-It receives tasks on a DEALER socket connected to the trainer's ROUTER, runs
-fetch / collate / encode on one executor thread (so the loop stays responsive
-to control messages and shutdown), and pushes each result as one multipart
-message to the trainer's PULL socket.
+It receives tasks on a DEALER socket connected to the trainer's ROUTER (on its
+asyncio loop, which stays responsive to control messages and shutdown) and
+hands them to one compute thread that runs fetch / collate / encode and pushes
+each result as one multipart message to the trainer's PULL socket.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 
 import zmq
 import zmq.asyncio
@@ -56,6 +56,7 @@ class DpexWorker:
 
     def __init__(self) -> None:
         self._stop = asyncio.Event()
+        self._epoch_floor = 0
         self.placement = _placement()
 
     def where(self) -> dict:
@@ -65,22 +66,25 @@ class DpexWorker:
         self._stop.set()
 
     async def serve(self, spec: WorkerSpec, shipped: bytes) -> dict:
-        """Serve one session until STOP; returns counters. Raises if set-up fails."""
+        """Serve one session until STOP; returns counters. Raises if set-up fails.
+
+        This (asyncio) thread owns the control socket and feeds tasks to one compute
+        thread, which owns the data socket and does fetch → collate → encode → send
+        with no thread hop per batch.
+        """
         loop = asyncio.get_running_loop()
         _set_thread_niceness(spec.niceness)  # this loop thread, and zmq's I/O thread below
-        executor = ThreadPoolExecutor(1, thread_name_prefix="dpex-fetch",
-                                      initializer=_set_thread_niceness,
-                                      initargs=(spec.niceness,))
         ctx = zmq.asyncio.Context()
         ctrl = ctx.socket(zmq.DEALER)
-        data = ctx.socket(zmq.PUSH)
-        sent = 0
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        halt = threading.Event()
+        done: asyncio.Future = loop.create_future()
+        compute = threading.Thread(target=self._compute, name="dpex-compute", daemon=True,
+                                   args=(spec, shipped, inbox, halt, loop, done))
         try:
-            for sock in (ctrl, data):
-                sock.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation))
             ctrl.connect(spec.control_address)
-            data.connect(spec.data_address)
             hello = {"versions": local_versions(), **self.placement,
                      "niceness": os.getpriority(os.PRIO_PROCESS, 0)}
             # HELLO as soon as the actor is up: start-up time is placement and process start.
@@ -89,47 +93,77 @@ class DpexWorker:
             await ctrl.send_multipart(
                 spec.wire.encode(Kind.HELLO, worker_id=spec.worker_id, payload=hello)
             )
-            node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
-            state = await loop.run_in_executor(executor, WorkerState, spec, shipped, node)
-            pending: collections.deque = collections.deque()
-            wake = asyncio.Event()
-            reader = asyncio.ensure_future(self._read_control(ctrl, spec, pending, wake))
+            compute.start()
+            reader = asyncio.ensure_future(self._read_control(ctrl, spec, inbox))
             stopper = asyncio.ensure_future(self._stop.wait())
             try:
-                while not self._stop.is_set():
-                    if not pending:
-                        wake.clear()
-                        waiter = asyncio.ensure_future(wake.wait())
-                        await asyncio.wait({waiter, reader, stopper},
-                                           return_when=asyncio.FIRST_COMPLETED)
-                        waiter.cancel()
-                        if reader.done():
-                            reader.result()  # re-raise what ended the reader
-                            break
-                        continue
-                    item = pending.popleft()
-                    if item[0] is _RESUME:
-                        await loop.run_in_executor(executor, state.resume, item[1])
-                        continue
-                    if item[0] is _SKIP:
-                        await loop.run_in_executor(executor, state.skip, *item[1])
-                        continue
-                    epoch, seq, indices = item
-                    frames = await loop.run_in_executor(executor, state.run_task, epoch, seq, indices)
-                    await data.send_multipart(frames, copy=False)
-                    sent += 1
+                await asyncio.wait({reader, stopper, done}, return_when=asyncio.FIRST_COMPLETED)
+                if reader.done():
+                    reader.result()  # re-raise what ended the reader
+                if done.done():
+                    return done.result()  # re-raise what ended the compute thread
             finally:
                 reader.cancel()
                 stopper.cancel()
         finally:
+            halt.set()
+            inbox.put(None)
+            if compute.is_alive():
+                await loop.run_in_executor(None, compute.join, 10.0)
             ctrl.close(0)
+            ctx.term()
+        await asyncio.sleep(0)  # let the compute thread's outcome land
+        if done.done() and done.exception() is None:
+            return done.result()
+        return {"sent": None}
+
+    def _compute(self, spec: WorkerSpec, shipped: bytes, inbox: queue.SimpleQueue,
+                 halt: threading.Event, loop: asyncio.AbstractEventLoop,
+                 done: asyncio.Future) -> None:
+        _set_thread_niceness(spec.niceness)
+        ctx = zmq.Context()
+        data = ctx.socket(zmq.PUSH)
+        data.setsockopt(zmq.LINGER, 0)
+        data.setsockopt(zmq.SNDTIMEO, 500)  # so a send never outlives ``halt`` for long
+        data.connect(spec.data_address)
+        sent = 0
+        try:
+            node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
+            state = WorkerState(spec, shipped, node)
+            while not halt.is_set():
+                try:
+                    item = inbox.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    break
+                if item[0] is _RESUME:
+                    state.resume(item[1])
+                    continue
+                if item[0] is _SKIP:
+                    state.skip(*item[1])
+                    continue
+                epoch, seq, indices = item
+                if epoch < self._epoch_floor:
+                    continue  # a task of an abandoned epoch: not worth computing
+                frames = state.run_task(epoch, seq, indices)
+                while not halt.is_set():
+                    try:
+                        data.send_multipart(frames, copy=False)
+                        sent += 1
+                        break
+                    except zmq.Again:
+                        continue
+            outcome: tuple = (done.set_result, {"sent": sent})
+        except BaseException as exc:
+            outcome = (done.set_exception, exc)
+        finally:
             data.close(0)
             ctx.term()
-            executor.shutdown(wait=False, cancel_futures=True)
-        return {"sent": sent}
+        loop.call_soon_threadsafe(_settle, done, *outcome)
 
     async def _read_control(self, ctrl: zmq.asyncio.Socket, spec: WorkerSpec,
-                            pending: collections.deque, wake: asyncio.Event) -> None:
+                            inbox: queue.SimpleQueue) -> None:
         while True:
             frames = await ctrl.recv_multipart()
             try:
@@ -137,13 +171,17 @@ class DpexWorker:
             except ProtocolError:
                 continue
             if msg.kind is Kind.TASKS:
-                pending.extend((msg.epoch, seq, indices) for seq, indices in msg.payload)
+                for seq, indices in msg.payload:
+                    inbox.put((msg.epoch, seq, indices))
             elif msg.kind is Kind.RESUME:
-                # Tasks of the epoch being abandoned are not worth computing.
-                pending.clear()
-                pending.append((_RESUME, msg.payload))
+                self._epoch_floor = msg.epoch  # tasks of earlier epochs are skipped
+                inbox.put((_RESUME, msg.payload))
             elif msg.kind is Kind.SKIP:
-                pending.append((_SKIP, msg.payload))
+                inbox.put((_SKIP, msg.payload))
             elif msg.kind is Kind.STOP:
                 self._stop.set()
-            wake.set()
+
+
+def _settle(fut: asyncio.Future, setter: object, value: object) -> None:
+    if not fut.done():
+        setter(value)
