@@ -83,6 +83,7 @@ class DpexDataLoader(DataLoader[T_co]):
         self.max_message_bytes = config.max_message_bytes
         self.max_worker_restarts = config.max_worker_restarts
         self._live_iterators: weakref.WeakSet = weakref.WeakSet()
+        self._latest: weakref.ref | None = None  # the newest distributed iterator
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
@@ -120,14 +121,16 @@ class DpexDataLoader(DataLoader[T_co]):
         # Built from the attributes, which a framework may have set since __init__.
         iterator = RayDataLoaderIter(self, self.dpex_config)
         self._live_iterators.add(iterator)
+        self._latest = weakref.ref(iterator)
         return iterator
 
     def stats(self) -> dict:
-        """Counters of the current iterator (``{}`` before the first distributed ``iter()``):
+        """Counters of the newest iterator, running or finished (``{}`` if there is none):
         messages received, rejected by reason (``mac``, ``session``, ``too-large``, ...),
-        dropped as stale, credits in flight, workers ready."""
-        live = [it for it in self._live_iterators if not it.closed]
-        return live[-1].stats() if live else {}
+        dropped (stale, duplicate, restarted, redispatched), recoveries, credits in
+        flight, workers ready."""
+        iterator = self._latest() if self._latest is not None else None
+        return iterator.stats() if iterator is not None else {}
 
     def close(self) -> None:
         """Stop every worker, socket and thread this loader started (idempotent)."""

@@ -77,3 +77,5 @@ def test_attacks_during_an_epoch_change_nothing(tmp_path):
     rejected = it.stats()["rejected"]
     assert rejected.get("mac", 0) >= 4, rejected  # all data forgeries, at least
     assert rejected.get("frame-count", 0) >= 1, rejected
+    assert loader.stats()["rejected"] == rejected  # the loader reports its newest iterator
+    assert DpexDataLoader(dsets.Squares(2), distribute_mode=True).stats() == {}
