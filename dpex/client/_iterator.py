@@ -101,7 +101,6 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                     num_workers=self._num_workers, base_seed=self._base_seed,
                     data_address=self._session.data_address,
                     control_address=self._session.control_address,
-                    trainer_versions=local_versions(),
                     niceness=os.getpriority(os.PRIO_PROCESS, 0),
                     shared_seed=self._shared_seed,
                 )
@@ -116,8 +115,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._ready: dict[int, dict] = {}
         self._known: dict[int, dict] = {}  # the last HELLO of each worker id
         self._recoveries: list[dict] = []  # one per restart: when reported, when ready
-        self._incarnation = [0] * self._num_workers
-        self._restarts = [0] * self._num_workers
+        self._incarnation = [0] * self._num_workers  # also: how often each was restarted
         self._max_restarts = config.max_worker_restarts
         self._worker_shared_seed = self._shared_seed  # what a replacement starts with
         self._ledger = TaskLedger(self._num_workers)
@@ -176,7 +174,6 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._credits.acquire()
             seq, self._send_idx = self._send_idx, self._send_idx + 1
             self._ledger.dispatch(seq, w, index)
-            self._last_index = index  # an IterableDataset's are all alike: placeholders
             tasks[w].append((seq, index))
         for w, batch in tasks.items():
             self._loop.call_soon(self._session.send_tasks, w, self._epoch, batch)
@@ -299,7 +296,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         where = self._known.get(w, {}).get("node_ip", "unknown node")
         cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
         fatal = w not in self._known or isinstance(cause, WorkerStartupError)
-        if not fatal and self._restarts[w] < self._max_restarts:
+        if not fatal and self._incarnation[w] < self._max_restarts:
             self._recoveries.append({"worker": w, "reported_at": exit_.at,
                                      "cause": type(cause).__name__})
             self._restart(w)
@@ -313,7 +310,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             ) from exit_.error
         pid = self._known.get(w, {}).get("pid", "?")
         raise WorkerDiedError(
-            f"dpex worker {w} (pid {pid}, node {where}) died after {self._restarts[w]} "
+            f"dpex worker {w} (pid {pid}, node {where}) died after {self._incarnation[w]} "
             f"restart(s), the most max_worker_restarts={self._max_restarts} allows: "
             f"{type(cause).__name__}: {cause}"
         ) from exit_.error
@@ -321,7 +318,6 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     def _restart(self, w: int) -> None:
         """Start a replacement with the same worker id (same seed, worker_init_fn run
         again) and send it every task of this epoch whose result has not arrived."""
-        self._restarts[w] += 1
         self._incarnation[w] += 1
         self._counters["restarted"] += 1
         self._ready.pop(w, None)
@@ -332,7 +328,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._runtime.workers.restart(spec, self._shipped)
         if self._dataset_kind == _DatasetKind.Iterable and self._ledger.delivered(w):
             self._loop.call_soon(self._session.send, w, Kind.SKIP, self._epoch,
-                                 (self._ledger.delivered(w), self._last_index))
+                                 self._ledger.delivered(w))
         tasks = self._ledger.outstanding(w)
         if tasks:
             self._counters["redispatched"] += len(tasks)

@@ -53,12 +53,12 @@ class WorkerGroup:
 
     def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
         check_placeable(self.options, len(specs))
-        remote_cls = ray.remote(DpexWorker).options(**self.options)
+        self._actor_class = ray.remote(DpexWorker).options(**self.options)
         for spec in specs:
-            self._start_one(remote_cls, spec, shipped)
+            self._start_one(spec, shipped)
 
-    def _start_one(self, remote_cls: Any, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
-        actor = remote_cls.remote()
+    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+        actor = self._actor_class.remote()
         self.actors[spec.worker_id] = actor
         ref = actor.serve.remote(spec, shipped)
         # Ray fails this reference as soon as the actor dies (process killed, node
@@ -75,7 +75,7 @@ class WorkerGroup:
                 ray.kill(old, no_restart=True)
             except Exception:
                 pass  # already gone
-        self._start_one(ray.remote(DpexWorker).options(**self.options), spec, shipped)
+        self._start_one(spec, shipped)
 
     def _on_exit(self, worker_id: int, incarnation: int) -> Any:
         def report(fut: Any) -> None:

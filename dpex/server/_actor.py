@@ -141,7 +141,7 @@ class DpexWorker:
                     state.resume(item[1])
                     continue
                 if item[0] is _SKIP:
-                    state.skip(*item[1])
+                    state.skip(item[1])
                     continue
                 epoch, seq, indices = item
                 if epoch < self._epoch_floor:

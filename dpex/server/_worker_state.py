@@ -46,7 +46,6 @@ class WorkerSpec:
     base_seed: int
     data_address: str
     control_address: str
-    trainer_versions: dict
     niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
     shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
     incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement
@@ -102,6 +101,7 @@ class WorkerState:
         )
         torch_worker._worker_info = self.info
         self.exhausted = False
+        self._to_skip = 0
         self.init_error: ExceptionWrapper | None = None
         self.fetcher = None
         try:
@@ -137,16 +137,18 @@ class WorkerState:
         self._seed_datapipe(shared_seed)
         self.fetcher = self._new_fetcher()
 
-    def skip(self, n: int, index: Any) -> None:
-        """A replacement's fast-forward: pass over the first ``n`` batches of this
-        worker's IterableDataset shard, which its predecessor already delivered
-        (``index`` is the sampler's placeholder for one batch)."""
-        torch_worker._worker_info = self.info
-        if self.loader.dataset_kind != _DatasetKind.Iterable or self.fetcher is None:
-            return
+    def skip(self, n: int) -> None:
+        """A replacement's fast-forward: the first ``n`` batches of this worker's
+        IterableDataset shard were delivered by its predecessor. They are passed over
+        before the next task, with that task's (placeholder) index."""
+        if self.loader.dataset_kind == _DatasetKind.Iterable:
+            self._to_skip += n
+
+    def _fast_forward(self, indices: Any) -> None:
+        n, self._to_skip = self._to_skip, 0
         for _ in range(n):
             try:
-                self.fetcher.fetch(index)
+                self.fetcher.fetch(indices)
             except StopIteration:
                 self.exhausted = True
                 return
@@ -160,6 +162,8 @@ class WorkerState:
         if self.init_error is not None:  # once, as torch; later tasks find no fetcher
             error, self.init_error = self.init_error, None
             return wire.encode(Kind.ERROR, epoch, seq, wid, error)
+        if self._to_skip and self.fetcher is not None:
+            self._fast_forward(indices)
         if self.exhausted:
             return wire.encode(Kind.END, epoch, seq, wid)
         try:
