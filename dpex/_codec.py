@@ -4,7 +4,9 @@
 classes defined in ``__main__`` survive the trip) and lifts the memory of every
 CPU tensor and plain ndarray out as a separate buffer that can be sent with
 ``copy=False``. ``decode_batch`` rebuilds each tensor / array with exactly one
-copy into fresh, writable memory, so the received frame can be released at once.
+copy into fresh, writable memory, so the received frame can be released at once;
+a buffer given as a numpy array (a span of a shared-memory ring) becomes the
+tensor's memory as it is.
 
 Torch pickles a tensor's storage in-band even with protocol 5, which is why
 tensors get their own reducer here. Tensors this codec does not lift (sparse,
@@ -34,16 +36,21 @@ def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _rebuild_tensor(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype)
-    src = np.frombuffer(buf, dtype=np.uint8)
-    if src.size:
-        np.copyto(out.reshape(-1).view(torch.uint8).numpy(), src)
+    if isinstance(buf, np.ndarray):  # memory the caller hands over (a ring span): no copy
+        out = torch.from_numpy(buf).view(dtype).reshape(shape)
+    else:
+        out = torch.empty(shape, dtype=dtype)
+        src = np.frombuffer(buf, dtype=np.uint8)
+        if src.size:
+            np.copyto(out.reshape(-1).view(torch.uint8).numpy(), src)
     if requires_grad:
         out.requires_grad_(True)
     return out
 
 
 def _rebuild_ndarray(buf: Any, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    if isinstance(buf, np.ndarray):  # handed over: no copy
+        return buf.view(dtype).reshape(shape)
     return np.frombuffer(buf, dtype=np.uint8).copy().view(dtype).reshape(shape)
 
 
@@ -78,7 +85,8 @@ def encode_batch(obj: Any) -> list[Any]:
 
 
 def decode_batch(structure: Any, buffers: Sequence[Any]) -> Any:
-    """Inverse of :func:`encode_batch`; copies each buffer once into fresh memory."""
+    """Inverse of :func:`encode_batch`. Copies each buffer once into fresh memory,
+    except ``numpy`` arrays, whose memory the caller hands over to the batch."""
     return pickle.loads(structure, buffers=buffers)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
+from dpex._shm import DEFAULT_RING_BYTES
 
 __all__ = ["DpexConfig"]
 
@@ -23,6 +24,8 @@ class DpexConfig:
     in the worker, and dropped and counted if they arrive anyway).
     ``max_worker_restarts``: how often one worker may be replaced per iterator after
     dying; one death more is a ``WorkerDiedError``.
+    ``shm_ring_bytes``: the shared-memory ring of each worker on the trainer's node
+    (the same-node fast path); 0 turns it off.
     """
 
     distribute_mode: bool = False
@@ -31,6 +34,7 @@ class DpexConfig:
     startup_timeout: float = 120.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_worker_restarts: int = 3
+    shm_ring_bytes: int = DEFAULT_RING_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.distribute_mode, bool):
@@ -49,3 +53,7 @@ class DpexConfig:
                 or isinstance(self.max_worker_restarts, bool) or self.max_worker_restarts < 0):
             raise ValueError(
                 f"max_worker_restarts must be an int >= 0, got {self.max_worker_restarts!r}")
+        if (not isinstance(self.shm_ring_bytes, int) or isinstance(self.shm_ring_bytes, bool)
+                or not (self.shm_ring_bytes == 0 or self.shm_ring_bytes >= 1 << 20)):
+            raise ValueError(
+                f"shm_ring_bytes must be 0 (off) or an int >= 1 MiB, got {self.shm_ring_bytes!r}")

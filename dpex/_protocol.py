@@ -20,9 +20,12 @@ size against ``max_message_bytes``, then the MAC. A buffer's bytes are not
 hashed (a MAC over gigabytes would cost more than the copy); they are only ever
 copied into tensors and arrays, never unpickled, and the MAC pins their sizes.
 
-Data plane (worker PUSH → trainer PULL): ``BATCH``, ``ERROR`` (a wrapped
-exception in the batch's slot) and ``END`` (an IterableDataset worker is
-exhausted; the task's slot holds no batch).
+Data plane (worker PUSH → trainer PULL): ``BATCH``, ``RING_BATCH``, ``ERROR``
+(a wrapped exception in the batch's slot) and ``END`` (an IterableDataset worker
+is exhausted; the task's slot holds no batch). A ``RING_BATCH`` is a batch whose
+buffers a worker on the trainer's node wrote into its shared-memory ring (see
+``_shm``): its body is the ring descriptor followed by the pickled structure,
+and it has no buffer frames; it decodes to a ``BATCH``.
 
 Control plane (trainer ROUTER ⇄ worker DEALER): ``HELLO`` (worker → trainer,
 once, carries versions and placement), ``TASKS`` (a list of ``(seq, indices)``),
@@ -42,13 +45,14 @@ import hmac
 import pickle
 import secrets
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch._utils import ExceptionWrapper
 
 from dpex._codec import decode_batch, encode_batch, encode_object
+from dpex._shm import INLINE, TrainerRing, WorkerRing, split_descriptor
 from dpex.errors import ProtocolError
 
 __all__ = [
@@ -60,7 +64,7 @@ __all__ = [
     "worker_identity",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _HEADER = struct.Struct("<BB16sIqHI")
 HEADER_SIZE = _HEADER.size
 MAC_SIZE = 16
@@ -72,6 +76,7 @@ class Kind(enum.IntEnum):
     BATCH = 1
     ERROR = 2
     END = 3
+    RING_BATCH = 4
     HELLO = 10
     TASKS = 11
     RESUME = 12
@@ -79,7 +84,7 @@ class Kind(enum.IntEnum):
     SKIP = 14
 
 
-DATA_KINDS = frozenset({Kind.BATCH, Kind.ERROR, Kind.END})
+DATA_KINDS = frozenset({Kind.BATCH, Kind.RING_BATCH, Kind.ERROR, Kind.END})
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class Message:
     seq: int
     worker_id: int
     payload: Any = None
+    in_ring: bool = False  # a batch whose buffers (some or all) came through the ring
 
 
 def worker_identity(worker_id: int, incarnation: int) -> bytes:
@@ -137,8 +143,11 @@ class Wire:
         """A message whose payload is pickled in-band (control messages, errors, END)."""
         return self._frames(kind, epoch, seq, worker_id, encode_object(payload), [])
 
-    def encode_data(self, epoch: int, seq: int, worker_id: int, batch: Any) -> list[Any]:
-        """A ``BATCH`` message: the structure in-band, tensor memory as separate frames.
+    def encode_data(self, epoch: int, seq: int, worker_id: int, batch: Any,
+                    ring: WorkerRing | None = None) -> list[Any]:
+        """A ``BATCH`` message: the structure in-band, tensor memory as separate frames;
+        or, given the worker's ``ring``, a ``RING_BATCH`` whose buffers are in the ring
+        where they fit (see ``WorkerRing.place``) and inline frames otherwise.
 
         Raises :class:`ProtocolError` (reason ``too-large``) when the message would
         exceed ``max_message_bytes``: the receiver would drop it.
@@ -148,10 +157,19 @@ class Wire:
         if size > self.max_message_bytes:
             raise ProtocolError("too-large", f"batch {seq} is {size:,} bytes, over "
                                 f"max_message_bytes={self.max_message_bytes:,}")
+        if ring is not None:
+            descriptor, inline = ring.place(buffers)
+            return self._frames(Kind.RING_BATCH, epoch, seq, worker_id,
+                                descriptor + bytes(body), inline)
         return self._frames(Kind.BATCH, epoch, seq, worker_id, body, buffers)
 
-    def decode(self, frames: Sequence[Any]) -> Message:
-        """Check and decode one multipart message (``bytes`` or ``zmq.Frame`` parts)."""
+    def decode(self, frames: Sequence[Any],
+               rings: Mapping[int, TrainerRing] | None = None) -> Message:
+        """Check and decode one multipart message (``bytes`` or ``zmq.Frame`` parts).
+
+        ``rings`` are the session's shared-memory rings, by id; a ``RING_BATCH`` is
+        copied out of its ring, whose space is then released.
+        """
         if len(frames) < 3:
             raise ProtocolError("frame-count", f"{len(frames)} frames, at least 3 expected")
         head = memoryview(frames[0])
@@ -175,6 +193,8 @@ class Wire:
             raise ProtocolError("too-large", f"{size:,} bytes")
         if not hmac.compare_digest(memoryview(frames[1]).tobytes(), self._mac(head, body, buffers)):
             raise ProtocolError("mac", "authentication failed")
+        if kind is Kind.RING_BATCH:
+            return self._decode_ring(body, buffers, rings or {}, sid, epoch, seq, worker_id)
         try:
             if kind is Kind.BATCH:
                 payload = decode_batch(body, buffers)
@@ -191,13 +211,36 @@ class Wire:
                            undecodable_error(worker_id, seq, what, exc))
         return Message(kind, sid, epoch, seq, worker_id, payload)
 
+    def _decode_ring(self, body: memoryview, inline: list[memoryview],
+                     rings: Mapping[int, TrainerRing], sid: bytes, epoch: int, seq: int,
+                     worker_id: int) -> Message:
+        try:
+            ring_id, ticket, extents, structure = split_descriptor(body)
+            if [n for pos, n in extents if pos == INLINE] != [b.nbytes for b in inline]:
+                raise ValueError("inline frames do not match the descriptor")
+            spans = rings[ring_id].take(ticket, extents)
+        except (struct.error, ValueError, KeyError) as exc:
+            # Authentic, so a worker sent it: an error in the batch's slot, not a hang.
+            return Message(Kind.ERROR, sid, epoch, seq, worker_id,
+                           undecodable_error(worker_id, seq, "ring descriptor", exc))
+        frames = iter(inline)
+        buffers = [next(frames) if span is None else span for span in spans]
+        in_ring = len(buffers) > len(inline)
+        del spans  # the batch's tensors own the ring spans now: freed when they go
+        try:
+            payload = decode_batch(structure, buffers)
+        except Exception as exc:
+            return Message(Kind.ERROR, sid, epoch, seq, worker_id,
+                           undecodable_error(worker_id, seq, "batch", exc))
+        return Message(Kind.BATCH, sid, epoch, seq, worker_id, payload, in_ring)
+
 
 def undecodable_error(worker_id: int, seq: int, what: str, exc: BaseException) -> ExceptionWrapper:
     """An ``ExceptionWrapper`` for a data message whose body cannot be unpickled here."""
     wrapper = ExceptionWrapper.__new__(ExceptionWrapper)
     wrapper.exc_type = RuntimeError
     wrapper.exc_msg = (
-        f"Traceback unavailable: the {what} of batch {seq} could not be unpickled in "
+        f"Traceback unavailable: the {what} of batch {seq} could not be rebuilt in "
         f"the trainer ({type(exc).__name__}: {exc})"
     )
     wrapper.where = f"in DataLoader worker process {worker_id}"

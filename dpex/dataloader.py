@@ -11,6 +11,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from dpex._config import DpexConfig
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
+from dpex._shm import DEFAULT_RING_BYTES
 
 __all__ = ["DpexDataLoader"]
 
@@ -35,6 +36,9 @@ class DpexDataLoader(DataLoader[T_co]):
     - ``max_message_bytes`` (default 2 GiB): the largest batch accepted.
     - ``max_worker_restarts`` (default 3): a worker that dies is replaced and its
       outstanding batches re-sent, up to this many times per worker and iterator.
+    - ``shm_ring_bytes`` (default 64 MiB): a worker on this process's Ray node
+      writes its batches into a shared-memory ring of this size instead of
+      sending them over a socket; ``0`` turns this fast path off.
 
     The batches, their order, seeds and ``get_worker_info()`` inside workers are
     those torch gives for the same arguments and generator.
@@ -66,6 +70,7 @@ class DpexDataLoader(DataLoader[T_co]):
         startup_timeout: float = 120.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_worker_restarts: int = 3,
+        shm_ring_bytes: int = DEFAULT_RING_BYTES,
     ) -> None:
         if isinstance(batch_size, bool):
             raise TypeError(
@@ -73,7 +78,8 @@ class DpexDataLoader(DataLoader[T_co]):
                 "order; pass distribute_mode=... and head_address=... by keyword"
             )
         config = DpexConfig(distribute_mode, head_address, dict(ray_remote_args or {}),
-                            startup_timeout, max_message_bytes, max_worker_restarts)
+                            startup_timeout, max_message_bytes, max_worker_restarts,
+                            shm_ring_bytes)
         # Public attributes named like the parameters: frameworks (Lightning) rebuild the
         # loader from them, so they must exist under exactly these names.
         self.distribute_mode = config.distribute_mode
@@ -82,8 +88,10 @@ class DpexDataLoader(DataLoader[T_co]):
         self.startup_timeout = config.startup_timeout
         self.max_message_bytes = config.max_message_bytes
         self.max_worker_restarts = config.max_worker_restarts
+        self.shm_ring_bytes = config.shm_ring_bytes
         self._live_iterators: weakref.WeakSet = weakref.WeakSet()
         self._latest: weakref.ref | None = None  # the newest distributed iterator
+        self._final_stats: dict = {}  # what the newest one to shut down reported last
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
@@ -95,7 +103,8 @@ class DpexDataLoader(DataLoader[T_co]):
     def dpex_config(self) -> DpexConfig:
         """dpex's settings as one validated, frozen object."""
         return DpexConfig(self.distribute_mode, self.head_address, dict(self.ray_remote_args),
-                          self.startup_timeout, self.max_message_bytes, self.max_worker_restarts)
+                          self.startup_timeout, self.max_message_bytes, self.max_worker_restarts,
+                          self.shm_ring_bytes)
 
     @property
     def _distributed(self) -> bool:
@@ -126,11 +135,13 @@ class DpexDataLoader(DataLoader[T_co]):
 
     def stats(self) -> dict:
         """Counters of the newest iterator, running or finished (``{}`` if there is none):
-        messages received, rejected by reason (``mac``, ``session``, ``too-large``, ...),
-        dropped (stale, duplicate, restarted, redispatched), recoveries, credits in
-        flight, workers ready."""
+        messages received (and how many through the same-node ring), rejected by reason
+        (``mac``, ``session``, ``too-large``, ...), dropped (stale, duplicate,
+        restarted, redispatched), recoveries, credits in flight, workers ready and
+        each worker's transport. A finished iterator that was already collected
+        reports what it counted when it shut down."""
         iterator = self._latest() if self._latest is not None else None
-        return iterator.stats() if iterator is not None else {}
+        return iterator.stats() if iterator is not None else dict(self._final_stats)
 
     def close(self) -> None:
         """Stop every worker, socket and thread this loader started (idempotent)."""

@@ -1,7 +1,10 @@
 """Benchmark: dpex (distribute_mode=True) against torch's DataLoader, A/B in one run.
 
-Both loaders get the same dataset, num_workers and prefetch_factor; runs
-alternate (torch, dpex, dpex, torch, ...) so machine noise hits both alike.
+Three loaders get the same dataset, num_workers and prefetch_factor: torch's,
+dpex (whose workers on this node use the shared-memory rings) and dpex-socket
+(rings off: the path of workers on other nodes). Runs alternate (torch, dpex,
+dpex-socket, then the reverse, ...) so machine noise hits all alike. Throughput
+is measured on the second epoch of persistent workers; the first warms up.
 Reported per scenario and loader: median and min–max of batches/s, GB/s, the
 dpex/torch ratio, the trainer process's CPU time per batch, time to the first
 batch (cold: fresh workers; warm: persistent workers, next epoch) and the
@@ -83,9 +86,9 @@ class Jpegs(Dataset):
 
 SCENARIOS = {
     # name: (dataset factory given a number of items, batch size, batches per run)
-    "large": (lambda n: Synthetic((3, 224, 224), torch.uint8, n), 64, 150),
-    "medium": (lambda n: Synthetic((3, 64, 64), torch.float32, n), 32, 300),
-    "small": (lambda n: Synthetic((64,), torch.float32, n), 256, 2000),
+    "large": (lambda n: Synthetic((3, 224, 224), torch.uint8, n), 64, 300),
+    "medium": (lambda n: Synthetic((3, 64, 64), torch.float32, n), 32, 1000),
+    "small": (lambda n: Synthetic((64,), torch.float32, n), 256, 3000),
     "cpu": (lambda n: Jpegs(n), 32, 60),
 }
 
@@ -124,26 +127,30 @@ def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
     if loader_name == "torch":
         # forkserver: forking a process connected to Ray breaks Ray's client.
         loader = DataLoader(dataset, multiprocessing_context="forkserver", **kw)
+    elif loader_name == "dpex-socket":  # the path remote workers take: no shared memory
+        loader = DpexDataLoader(dataset, distribute_mode=True, shm_ring_bytes=0, **kw)
     else:
         loader = DpexDataLoader(dataset, distribute_mode=True, **kw)
     nbytes = 0
     with RssPeak() as rss:
         t0 = time.perf_counter()
         it = iter(loader)
-        first = next(it)
+        next(it)
         ttfb_cold = time.perf_counter() - t0
+        for _ in it:  # the first epoch warms up: processes, pages, caches
+            pass
+        t1 = time.perf_counter()
+        it = iter(loader)  # persistent workers: the next epoch starts warm
+        next(it)
+        ttfb_warm = time.perf_counter() - t1
         cpu0, t1 = time.process_time(), time.perf_counter()
         n = 1
         for batch in it:
             nbytes += batch.numel() * batch.element_size()
             n += 1
         elapsed, cpu = time.perf_counter() - t1, time.process_time() - cpu0
-        t2 = time.perf_counter()
-        it = iter(loader)  # persistent workers: the next epoch starts warm
-        next(it)
-        ttfb_warm = time.perf_counter() - t2
-    del first, it
-    if loader_name == "dpex":
+    del it
+    if loader_name != "torch":
         loader.close()
     else:
         loader._iterator._shutdown_workers()
@@ -166,10 +173,10 @@ def table(results: dict) -> str:
             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for scenario, by_loader in results.items():
         t = by_loader["torch"]["batches_per_s"]["median"]
-        for name in ("torch", "dpex"):
+        for name in by_loader:
             s = by_loader[name]
             b = s["batches_per_s"]
-            ratio = f"{b['median'] / t:.2f}×" if name == "dpex" else ""
+            ratio = f"{b['median'] / t:.2f}×" if name != "torch" else ""
             rows.append(
                 f"| {scenario} | {name} | {b['median']:.0f} ({b['min']:.0f}–{b['max']:.0f}) | "
                 f"{s['gb_per_s']['median']:.2f} | {ratio} | "
@@ -186,12 +193,14 @@ def plot(results: dict, path: str) -> None:
 
     names = list(results)
     fig, ax = plt.subplots(figsize=(8, 4))
-    for k, loader in enumerate(("torch", "dpex")):
+    loaders = list(results[names[0]])
+    width = 0.8 / len(loaders)
+    for k, loader in enumerate(loaders):
         med = [results[s][loader]["batches_per_s"]["median"] for s in names]
         lo = [m - results[s][loader]["batches_per_s"]["min"] for m, s in zip(med, names, strict=True)]
         hi = [results[s][loader]["batches_per_s"]["max"] - m for m, s in zip(med, names, strict=True)]
-        x = np.arange(len(names)) + (k - 0.5) * 0.38
-        ax.bar(x, med, 0.38, yerr=[lo, hi], capsize=3, label=loader)
+        x = np.arange(len(names)) + (k - (len(loaders) - 1) / 2) * width
+        ax.bar(x, med, width, yerr=[lo, hi], capsize=3, label=loader)
     ax.set_xticks(np.arange(len(names)), names)
     ax.set_yscale("log")
     ax.set_ylabel("batches/s (median, min–max)")
@@ -219,16 +228,17 @@ def main() -> None:
         ray.init(include_dashboard=False, log_to_driver=False)
     ray_start = time.perf_counter() - t0
     print(f"Ray start: {ray_start:.2f} s (not in any timed region)", flush=True)
-    runs: dict = {s: {"torch": [], "dpex": []} for s in args.scenarios}
+    loaders = ("torch", "dpex", "dpex-socket")
+    runs: dict = {s: {name: [] for name in loaders} for s in args.scenarios}
     try:
         for rep in range(args.repeats):
-            order = ("torch", "dpex") if rep % 2 == 0 else ("dpex", "torch")
+            order = loaders if rep % 2 == 0 else loaders[::-1]
             for scenario in args.scenarios:
                 batches = 8 if args.quick else SCENARIOS[scenario][2]
                 for name in order:
                     r = one_run(name, scenario, args, batches)
                     runs[scenario][name].append(r)
-                    print(f"[{rep + 1}/{args.repeats}] {scenario:6s} {name:5s} "
+                    print(f"[{rep + 1}/{args.repeats}] {scenario:6s} {name:11s} "
                           f"{r['batches_per_s']:8.1f} batches/s  {r['gb_per_s']:6.2f} GB/s  "
                           f"CPU {r['cpu_us_per_batch']:7.0f} µs/batch  first "
                           f"{r['ttfb_cold_ms']:5.0f}/{r['ttfb_warm_ms']:4.0f} ms", flush=True)

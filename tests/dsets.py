@@ -130,6 +130,30 @@ class Images(Dataset):
         return torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=g), i
 
 
+class Mixed(Dataset):
+    """Items with a float image, a float64 ndarray, a label and a string; use
+    ``mixed_collate`` to keep the ndarrays as ndarrays."""
+
+    def __init__(self, n: int = 96, side: int = 32) -> None:
+        self.n, self.side = n, side
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        img = torch.randn(3, self.side, self.side, generator=g)
+        return {"img": img, "arr": np.full(16, i / 7.0), "label": i, "name": f"item{i}"}
+
+
+def mixed_collate(items):
+    from torch.utils.data import default_collate
+
+    batch = default_collate([{k: v for k, v in it.items() if k != "arr"} for it in items])
+    batch["arr"] = np.stack([it["arr"] for it in items])
+    return batch
+
+
 class ReversedSampler(Sampler):
     def __init__(self, n):
         self.n = n
@@ -172,6 +196,9 @@ def assert_same(a, b, path: str = "batch") -> None:
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
         assert torch.equal(a, b), f"{path}: values differ"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape}"
+        assert np.array_equal(a, b), f"{path}: values differ"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for k in a:

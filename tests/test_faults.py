@@ -109,19 +109,36 @@ def test_past_max_worker_restarts_the_error_names_the_worker_and_node():
 TRAINER = """
 import sys, time, torch
 from dpex import DpexDataLoader
-loader = DpexDataLoader(torch.arange(10_000), batch_size=2, num_workers=2, distribute_mode=True)
+loader = DpexDataLoader(torch.zeros(10_000, 4096), batch_size=16, num_workers=2,
+                        distribute_mode=True)
 it = iter(loader)
-next(it)
+held = [next(it) for _ in range(8)]  # batches that live in the shared-memory rings
 while len(it._ready) < 2:
     it._receive_one()
+assert loader.stats()["received_in_ring"] >= 8, loader.stats()
 print("PIDS", *[info["pid"] for info in it._ready.values()], flush=True)
 time.sleep(600)
 """
 
 
-def test_a_killed_trainer_leaves_no_worker_behind():
+def _ring_mappers() -> list[int]:
+    """Pids of processes that map a dpex ring (memfds show in /proc/PID/maps)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if "dpex-ring" in f.read():
+                    out.append(int(pid))
+        except OSError:
+            pass  # gone, or not ours to read
+    return out
+
+
+def test_a_killed_trainer_leaves_no_worker_and_no_shared_memory_behind():
     import subprocess
     import sys
+
+    shm_before = set(os.listdir("/dev/shm"))
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # "auto" joins this test session's Ray instance, the newest one on this machine.
@@ -134,6 +151,7 @@ def test_a_killed_trainer_leaves_no_worker_behind():
             line = proc.stdout.readline()
         pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == 2 and dsets.pids_alive(pids) == pids
+        assert set(pids) | {proc.pid} <= set(_ring_mappers())  # the rings were in use
     finally:
         proc.kill()
         proc.wait(10)
@@ -141,4 +159,7 @@ def test_a_killed_trainer_leaves_no_worker_behind():
     while dsets.pids_alive(pids) and time.monotonic() - t0 < 10:
         time.sleep(0.1)
     assert dsets.pids_alive(pids) == [], f"workers alive {time.monotonic() - t0:.1f} s later"
+    # The rings were anonymous memfds: nothing in /dev/shm, no mapping left anywhere.
+    assert [p for p in _ring_mappers() if p != os.getpid()] == []
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
     print(f"workers gone {time.monotonic() - t0:.2f} s after the trainer was killed")

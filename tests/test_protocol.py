@@ -100,7 +100,7 @@ def test_error_whose_type_cannot_be_unpickled_keeps_its_slot():
     frames[1] = WIRE._mac(frames[0], frames[2], [])  # an authentic sender
     msg = decode(frames)
     assert msg.kind is Kind.ERROR and msg.seq == 5
-    with pytest.raises(RuntimeError, match="could not be unpickled"):
+    with pytest.raises(RuntimeError, match="could not be rebuilt"):
         msg.payload.reraise()
 
 
@@ -126,5 +126,5 @@ def test_batch_whose_contents_cannot_be_unpickled_becomes_an_error_in_its_slot(m
     monkeypatch.delattr(__import__(__name__), "_OnlyHere")  # the trainer lacks the class
     msg = decode(frames)
     assert (msg.kind, msg.seq, msg.worker_id) == (Kind.ERROR, 9, 1)
-    with pytest.raises(RuntimeError, match="batch 9 could not be unpickled"):
+    with pytest.raises(RuntimeError, match="batch 9 could not be rebuilt"):
         msg.payload.reraise()

@@ -63,8 +63,21 @@ async def test_tasks_wait_for_hello_then_batches_reach_the_handoff(session, fake
     task = WIRE.decode(await asyncio.wait_for(ctrl.recv_multipart(), 5))
     assert task.kind is Kind.TASKS and task.payload == [(0, [4, 5])]
     await data.send_multipart(WIRE.encode_data(1, 0, 0, torch.tensor([4, 5])), copy=False)
-    msg = await next_event(session.handoff)
+    [msg] = await next_event(session.handoff)  # data messages come as a list
     assert isinstance(msg, Message) and torch.equal(msg.payload, torch.tensor([4, 5]))
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_burst_of_batches_is_handed_over_in_few_lists_in_order(session, fake_worker):
+    _, data = fake_worker
+    for seq in range(40):
+        data.send_multipart(WIRE.encode_data(1, seq, 0, torch.tensor([seq])), copy=False)
+    lists = []
+    while sum(map(len, lists)) < 40:
+        lists.append(await next_event(session.handoff))
+    assert [m.seq for batch in lists for m in batch] == list(range(40))
+    assert len(lists) < 40  # at least one hand-off carried several batches
 
 
 @pytest.mark.asyncio
@@ -76,7 +89,7 @@ async def test_garbage_and_foreign_messages_are_counted_and_dropped(session, fak
     await data.send_multipart(Wire(WIRE.session_id, bytes(32)).encode(Kind.END, 1, 1, 0))
     await data.send_multipart(WIRE.encode(Kind.HELLO, 1, 0, 0))  # control kind on data
     await data.send_multipart(WIRE.encode(Kind.END, 1, 7, 0))
-    msg = await next_event(session.handoff)
+    [msg] = await next_event(session.handoff)
     assert msg.kind is Kind.END and msg.seq == 7  # only the valid one came through
     assert session.rejected == {"frame-count": 1, "session": 1, "mac": 1, "kind": 1}
 

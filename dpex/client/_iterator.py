@@ -26,6 +26,7 @@ from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Message, Wire
 from dpex._ray_connect import connect_ray, node_address
+from dpex._shm import RingRef
 from dpex._version import local_versions
 from dpex.client._credits import CreditWindow
 from dpex.client._events import LoopFailure, WorkerExit, WorkerHello
@@ -72,6 +73,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
 
     def __init__(self, loader: Any, config: DpexConfig) -> None:
         super().__init__(loader)
+        self._loader_ref = weakref.ref(loader)
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._startup_timeout = config.startup_timeout
@@ -93,6 +95,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._finalizer = weakref.finalize(self, self._runtime.close)
         self._session = self._runtime.session
         self._loop = self._runtime.loop
+        self._ring_bytes = config.shm_ring_bytes
+        self._node_id = ray.get_runtime_context().get_node_id()
         try:
             self._runtime.open()
             self._specs = [
@@ -102,7 +106,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                     data_address=self._session.data_address,
                     control_address=self._session.control_address,
                     niceness=os.getpriority(os.PRIO_PROCESS, 0),
-                    shared_seed=self._shared_seed,
+                    shared_seed=self._shared_seed, ring=self._new_ring(),
                 )
                 for w in range(self._num_workers)
             ]
@@ -220,8 +224,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         if self._runtime.closed:
             raise DpexError("this dpex iterator was closed")
         event = self._wait_event()
-        if isinstance(event, Message):
-            self._on_message(event)
+        if isinstance(event, list):  # data messages that arrived together
+            for msg in event:
+                self._on_message(msg)
         elif isinstance(event, WorkerHello):
             self._on_hello(event)
         elif isinstance(event, WorkerExit):
@@ -323,7 +328,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._ready.pop(w, None)
         self._startup_deadline = time.monotonic() + self._startup_timeout
         spec = dataclasses.replace(self._specs[w], incarnation=self._incarnation[w],
-                                   shared_seed=self._worker_shared_seed)
+                                   shared_seed=self._worker_shared_seed, ring=self._new_ring())
         self._loop.call_soon(self._session.expect, w, spec.incarnation)
         self._runtime.workers.restart(spec, self._shipped)
         if self._dataset_kind == _DatasetKind.Iterable and self._ledger.delivered(w):
@@ -333,6 +338,15 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         if tasks:
             self._counters["redispatched"] += len(tasks)
             self._loop.call_soon(self._session.send_tasks, w, self._epoch, tasks)
+
+    def _new_ring(self) -> RingRef | None:
+        """A shared-memory ring for one worker (used only if it lands on this node)."""
+        if not self._ring_bytes:
+            return None
+        try:
+            return self._session.new_ring(self._ring_bytes, self._node_id)
+        except OSError:  # no memfd here (or out of memory): that worker uses the socket
+            return None
 
     def _startup_failure(self) -> WorkerStartupError:
         missing = sorted(set(range(self._num_workers)) - set(self._ready))
@@ -347,8 +361,12 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     # -- lifecycle and introspection -------------------------------------------
 
     def _shutdown_workers(self) -> None:
-        """Stop the actors, close the sockets and join the loop thread (idempotent)."""
+        """Stop the actors, close the sockets and join the loop thread (idempotent);
+        leave the final counters with the loader, for ``loader.stats()``."""
         self._finalizer()
+        loader = self._loader_ref()
+        if loader is not None:
+            loader._final_stats = self.stats()
 
     @property
     def closed(self) -> bool:
@@ -364,6 +382,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         return {
             "epoch": self._epoch,
             "workers_ready": len(self._ready),
+            "workers": {w: {k: info.get(k) for k in ("pid", "node_ip", "transport")}
+                        for w, info in sorted(self._known.items())},
             "credits_in_flight": self._credits.in_flight,
             **session,
             "dropped": dict(self._counters),

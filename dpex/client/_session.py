@@ -3,8 +3,8 @@
 It owns the two sockets of one iterator: a bound PULL socket where workers push
 data messages, and a bound ROUTER socket that carries tasks and control
 messages to each worker's DEALER. Received messages are validated, decoded and
-put on the thread-safe ``handoff`` queue that the training thread reads; nothing
-else crosses threads.
+put on the thread-safe ``handoff`` queue that the training thread reads, as a
+list of the data messages that arrived together; nothing else crosses threads.
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dpex._protocol import Kind, Wire, worker_identity
+from dpex._protocol import Kind, Message, Wire, worker_identity
+from dpex._shm import RingRef, TrainerRing
 from dpex.client._events import LoopFailure, WorkerHello
 from dpex.errors import ProtocolError
 
 __all__ = ["TrainerSession"]
+
+_MAX_BURST = 64  # data messages handed to the training thread at once, at most
 
 
 class TrainerSession:
@@ -34,6 +37,8 @@ class TrainerSession:
         self.handoff = handoff
         self.rejected: collections.Counter[str] = collections.Counter()
         self.received = 0
+        self.received_in_ring = 0
+        self.rings: dict[int, TrainerRing] = {}
         self.unroutable = 0
         self._ctx = zmq.asyncio.Context.instance()
         self._data: zmq.asyncio.Socket | None = None
@@ -78,17 +83,32 @@ class TrainerSession:
     async def _receive_data(self) -> None:
         assert self._data is not None
         while True:
-            frames = await self._data.recv_multipart(copy=False)
-            try:
-                msg = self.wire.decode(frames)
-            except ProtocolError as exc:
-                self.rejected[exc.reason] += 1
-                continue
-            if msg.kind not in (Kind.BATCH, Kind.ERROR, Kind.END):
-                self.rejected["kind"] += 1
-                continue
-            self.received += 1
-            self.handoff.put(msg)
+            ready: list[Message] = []
+            self._accept(await self._data.recv_multipart(copy=False), ready)
+            # What else has arrived already goes in the same hand-off: one wake-up of
+            # the training thread per burst of batches, not one per batch.
+            for _ in range(_MAX_BURST - 1):
+                pending = self._data.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                try:
+                    frames = pending.result()
+                except zmq.Again:
+                    break
+                self._accept(frames, ready)
+            if ready:
+                self.handoff.put(ready)
+
+    def _accept(self, frames: list[Any], ready: list[Message]) -> None:
+        try:
+            msg = self.wire.decode(frames, self.rings)
+        except ProtocolError as exc:
+            self.rejected[exc.reason] += 1
+            return
+        if msg.kind not in (Kind.BATCH, Kind.ERROR, Kind.END):
+            self.rejected["kind"] += 1
+            return
+        self.received += 1
+        self.received_in_ring += msg.in_ring
+        ready.append(msg)
 
     async def _receive_control(self) -> None:
         assert self._ctrl is not None
@@ -106,6 +126,14 @@ class TrainerSession:
             for frames_out in self._pending.pop(msg.worker_id, []):
                 self._send(msg.worker_id, frames_out)
             self.handoff.put(WorkerHello(msg.worker_id, msg.payload))
+
+    def new_ring(self, capacity: int, node_id: str) -> RingRef:
+        """A shared-memory ring for one worker incarnation (any thread; the loop thread
+        reads it). Rings of replaced workers stay until ``close``: their last messages
+        may still be in flight."""
+        ring = TrainerRing(len(self.rings), capacity, node_id)
+        self.rings[ring.ref.ring_id] = ring
+        return ring.ref
 
     def _identity(self, worker_id: int) -> bytes:
         return self._identities.get(worker_id) or worker_identity(worker_id, 0)
@@ -143,7 +171,8 @@ class TrainerSession:
 
     def counters(self) -> dict:
         """A copy of the counters, taken on the loop thread (where they change)."""
-        return {"received": self.received, "unroutable": self.unroutable,
+        return {"received": self.received, "received_in_ring": self.received_in_ring,
+                "unroutable": self.unroutable,
                 "rejected": dict(self.rejected)}
 
     async def snapshot(self) -> dict:
@@ -156,3 +185,5 @@ class TrainerSession:
         for sock in (self._data, self._ctrl):
             if sock is not None:
                 sock.close(0)
+        for ring in self.rings.values():
+            ring.close()

@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from dpex._protocol import Kind, ProtocolError, worker_identity
+from dpex._shm import RingUnavailable, WorkerRing
 from dpex._version import local_versions
 from dpex.server._worker_state import WorkerSpec, WorkerState
 
@@ -79,14 +80,15 @@ class DpexWorker:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         halt = threading.Event()
         done: asyncio.Future = loop.create_future()
+        ring, transport = _attach_ring(spec, self.placement["node_id"])
         compute = threading.Thread(target=self._compute, name="dpex-compute", daemon=True,
-                                   args=(spec, shipped, inbox, halt, loop, done))
+                                   args=(spec, shipped, ring, inbox, halt, loop, done))
         try:
             ctrl.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation))
             ctrl.connect(spec.control_address)
             hello = {"versions": local_versions(), **self.placement,
-                     "niceness": os.getpriority(os.PRIO_PROCESS, 0)}
+                     "niceness": os.getpriority(os.PRIO_PROCESS, 0), "transport": transport}
             # HELLO as soon as the actor is up: start-up time is placement and process start.
             # Loading the dataset and worker_init_fn count, as in torch, towards the
             # first batch (and torch's ``timeout``).
@@ -112,14 +114,16 @@ class DpexWorker:
                 await loop.run_in_executor(None, compute.join, 10.0)
             ctrl.close(0)
             ctx.term()
+            if ring is not None and not compute.is_alive():
+                ring.close()
         await asyncio.sleep(0)  # let the compute thread's outcome land
         if done.done() and done.exception() is None:
             return done.result()
         return {"sent": None}
 
-    def _compute(self, spec: WorkerSpec, shipped: bytes, inbox: queue.SimpleQueue,
-                 halt: threading.Event, loop: asyncio.AbstractEventLoop,
-                 done: asyncio.Future) -> None:
+    def _compute(self, spec: WorkerSpec, shipped: bytes, ring: WorkerRing | None,
+                 inbox: queue.SimpleQueue, halt: threading.Event,
+                 loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
         _set_thread_niceness(spec.niceness)
         ctx = zmq.Context()
         data = ctx.socket(zmq.PUSH)
@@ -129,7 +133,7 @@ class DpexWorker:
         sent = 0
         try:
             node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
-            state = WorkerState(spec, shipped, node)
+            state = WorkerState(spec, shipped, node, ring)
             while not halt.is_set():
                 try:
                     item = inbox.get(timeout=0.5)
@@ -180,6 +184,17 @@ class DpexWorker:
                 inbox.put((_SKIP, msg.payload))
             elif msg.kind is Kind.STOP:
                 self._stop.set()
+
+
+def _attach_ring(spec: WorkerSpec, node_id: str) -> tuple[WorkerRing | None, str]:
+    """The trainer's ring when this worker shares its node, and how batches travel
+    (``"ring"``, or ``"socket"`` with the reason)."""
+    if spec.ring is None:
+        return None, "socket (no ring offered)"
+    try:
+        return WorkerRing(spec.ring, node_id), "ring"
+    except RingUnavailable as exc:
+        return None, f"socket ({exc})"
 
 
 def _settle(fut: asyncio.Future, setter: object, value: object) -> None:

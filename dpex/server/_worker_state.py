@@ -19,6 +19,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex._protocol import Kind, ProtocolError, Wire
+from dpex._shm import RingRef, WorkerRing, collating_into
 from dpex.errors import BatchTooLargeError, WorkerStartupError
 
 __all__ = ["WorkerSpec", "WorkerState", "ShippedLoader"]
@@ -49,6 +50,7 @@ class WorkerSpec:
     niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
     shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
     incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement
+    ring: RingRef | None = None  # the trainer's shared-memory ring for this incarnation
 
 
 def _seed_like_torch(base_seed: int, worker_id: int) -> int:
@@ -87,9 +89,11 @@ class WorkerState:
     worker has no fetcher until the next epoch.
     """
 
-    def __init__(self, spec: WorkerSpec, shipped: bytes, node: str = "?") -> None:
+    def __init__(self, spec: WorkerSpec, shipped: bytes, node: str = "?",
+                 ring: WorkerRing | None = None) -> None:
         self.spec = spec
         self.node = node
+        self.ring = ring
         self.loader: ShippedLoader = _load(shipped)
         torch.set_num_threads(1)
         seed = _seed_like_torch(spec.base_seed, spec.worker_id)
@@ -171,7 +175,8 @@ class WorkerState:
                 raise UnboundLocalError(  # torch's type for this case, with a clearer text
                     "this worker's worker_init_fn failed (raised on its first batch); as in "
                     "torch it has no fetcher until the next epoch")
-            batch = self.fetcher.fetch(indices)
+            with collating_into(self.ring):
+                batch = self.fetcher.fetch(indices)
         except StopIteration:
             if self.loader.dataset_kind == _DatasetKind.Iterable:
                 self.exhausted = True
@@ -181,7 +186,7 @@ class WorkerState:
             return self._error(epoch, seq, indices)
         try:
             try:
-                return wire.encode_data(epoch, seq, wid, batch)
+                return wire.encode_data(epoch, seq, wid, batch, self.ring)
             except ProtocolError as exc:  # too large: the trainer would drop it unseen
                 raise BatchTooLargeError(f"{exc}; raise DpexDataLoader(max_message_bytes=...) "
                                          "or use smaller batches") from None

@@ -1,0 +1,316 @@
+"""Same-node fast path: one shared-memory ring per worker, written by that worker.
+
+The trainer creates each ring as an anonymous ``memfd``. It has no name, so no
+file in ``/dev/shm`` can outlive a crash: the kernel frees the memory when the
+last process that maps it exits. A worker on the trainer's own Ray node maps it
+through ``/proc/<trainer pid>/fd/<fd>`` and checks a random nonce at its start,
+so a recycled pid or another pid namespace cannot pass for the trainer.
+
+Layout: the nonce at offset 0, one "freed" byte per ticket slot from offset
+1024, and ``capacity`` data bytes from offset 4096.
+
+Copies: the worker's collate writes each batch tensor straight into the ring
+(:func:`collating_into`), and the trainer's tensors are views of the ring, so a
+batch is copied neither when it is sent nor when it is received. A buffer that
+is not in the ring is copied into it (``place``), or sent inline when it is
+small or the ring is full: the ring never makes anything wait.
+
+Reuse: each ring message carries a ticket (a per-ring message count). The
+trainer sets the ticket's byte once every tensor it made from the message is
+garbage. The worker allocates next-fit around the regions still busy: alive in
+the worker, or referred to by a message whose ticket is not freed yet. So
+neither side's tensors are ever overwritten, and a batch the training loop
+keeps only takes its own region out of use, not the whole ring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import struct
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["RingRef", "TrainerRing", "WorkerRing", "RingUnavailable", "DEFAULT_RING_BYTES",
+           "INLINE", "collating_into", "pack_descriptor", "split_descriptor"]
+
+DEFAULT_RING_BYTES = 64 << 20
+# Below this many bytes a buffer that is not in the ring already goes inline: the
+# socket copy of a small buffer costs less than the ring's bookkeeping.
+MIN_COPY_BYTES = 64 << 10
+INLINE = (1 << 64) - 1  # an extent's position for "the next inline frame"
+_NONCE = slice(0, 16)
+_FLAGS = 1024  # one byte per ticket slot: 1 = the trainer freed that message
+TICKETS = 2048
+_DATA = 4096
+_ALIGN = 64
+_HEAD = struct.Struct("<IQI")  # ring_id, ticket, n_buffers; then n × _EXTENT
+_EXTENT = struct.Struct("<QQ")  # offset in the ring (or INLINE), size
+
+
+class RingUnavailable(Exception):
+    """This worker cannot use the trainer's ring; ``str()`` says why (it sends inline)."""
+
+
+@dataclass(frozen=True)
+class RingRef:
+    """How a worker finds its ring (travels in its ``WorkerSpec``)."""
+
+    ring_id: int
+    node_id: str  # the trainer's Ray node: locality is decided by node id only
+    pid: int
+    fd: int
+    nonce: bytes
+    capacity: int
+
+
+def _align(n: int) -> int:
+    return max(_ALIGN, (n + _ALIGN - 1) // _ALIGN * _ALIGN)
+
+
+def pack_descriptor(ring_id: int, ticket: int, extents: Sequence[tuple[int, int]]) -> bytes:
+    return _HEAD.pack(ring_id, ticket, len(extents)) + b"".join(_EXTENT.pack(*e) for e in extents)
+
+
+def split_descriptor(body: memoryview) -> tuple[int, int, list[tuple[int, int]], memoryview]:
+    """A ring message's body → ring id, ticket, extents, and the pickled structure."""
+    ring_id, ticket, n = _HEAD.unpack_from(body)
+    at = _HEAD.size + n * _EXTENT.size
+    if body.nbytes < at:
+        raise ValueError(f"descriptor of {n} buffers truncated")
+    extents = [_EXTENT.unpack_from(body, _HEAD.size + i * _EXTENT.size) for i in range(n)]
+    return ring_id, ticket, extents, body[at:]
+
+
+class TrainerRing:
+    """The trainer's end of one ring: owns the memfd and its mapping.
+
+    ``take`` runs on the loop thread; frees come from whichever thread drops a
+    batch's last tensor (one byte write each).
+    """
+
+    def __init__(self, ring_id: int, capacity: int, node_id: str) -> None:
+        self.capacity = capacity
+        self._fd = os.memfd_create(f"dpex-ring-{ring_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, _DATA + capacity)
+            self._map = mmap.mmap(self._fd, _DATA + capacity)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        nonce = secrets.token_bytes(16)
+        self._map[_NONCE] = nonce
+        self._map[_FLAGS:_FLAGS + TICKETS] = b"\x01" * TICKETS  # every ticket slot free
+        self._lock = threading.Lock()
+        self.ref = RingRef(ring_id, node_id, os.getpid(), self._fd, nonce, capacity)
+
+    def take(self, ticket: int, extents: Sequence[tuple[int, int]]) -> list[np.ndarray | None]:
+        """Arrays over one message's ring buffers (``None`` for inline ones); its ticket
+        is freed once they are all garbage. Raises ``ValueError`` (and frees the
+        ticket) for a span outside the ring."""
+        for pos, size in extents:
+            if pos != INLINE and pos + size > self.capacity:
+                self._free([ticket, 1])
+                raise ValueError(f"ring span [{pos}, {pos + size}) outside the ring")
+        record = [ticket, 0]
+        out: list[np.ndarray | None] = []
+        for pos, size in extents:
+            if pos == INLINE:
+                out.append(None)
+                continue
+            arr = np.frombuffer(self._map, np.uint8, size, _DATA + pos)
+            record[1] += 1
+            weakref.finalize(arr, self._free, record)
+            out.append(arr)
+        if not record[1]:
+            self._free([ticket, 1])
+        return out
+
+    def _free(self, record: list[int]) -> None:
+        with self._lock:
+            record[1] -= 1
+            if record[1] == 0 and self._map is not None:
+                self._map[_FLAGS + record[0] % TICKETS] = 1
+
+    def close(self) -> None:
+        """Close the fd and unmap (idempotent). Batches still alive keep the mapping
+        until they are garbage; the memory goes with the last of them."""
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        with self._lock:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a batch still views it: the mapping (and its fd) go with the batch
+            self._map = None
+
+
+class _Region:
+    __slots__ = ("start", "end", "alive", "tickets")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end, self.alive, self.tickets = start, end, True, []
+
+
+class WorkerRing:
+    """The worker's end: maps the trainer's memfd and allocates from it. One thread."""
+
+    def __init__(self, ref: RingRef, node_id: str) -> None:
+        if ref.node_id != node_id:
+            raise RingUnavailable("the worker runs on another Ray node than the trainer")
+        try:
+            fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR)
+        except OSError as exc:
+            raise RingUnavailable(f"cannot open the trainer's ring: {exc}") from None
+        try:
+            if os.fstat(fd).st_size != _DATA + ref.capacity:
+                raise RingUnavailable("the trainer's ring has an unexpected size")
+            self._map = mmap.mmap(fd, _DATA + ref.capacity)
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+        if self._map[_NONCE] != ref.nonce:
+            self._map.close()
+            raise RingUnavailable("the ring's nonce does not match (another process?)")
+        self.ref = ref
+        self.capacity = ref.capacity
+        self._next = 0  # next-fit: where the previous allocation ended
+        self._ticket = 0
+        self._data = np.frombuffer(self._map, np.uint8, ref.capacity, _DATA)
+        self._base = self._data.ctypes.data
+        self._regions: list[_Region] = []
+
+    def _busy(self, region: _Region) -> bool:
+        if region.alive:
+            return True
+        tickets = region.tickets
+        while tickets and self._map[_FLAGS + tickets[-1] % TICKETS]:
+            tickets.pop()
+        return bool(tickets)
+
+    def allocate(self, nbytes: int) -> np.ndarray | None:
+        """A ``uint8`` array of ``nbytes`` in the ring, or ``None`` if there is no room
+        now. Its space is not reused while the array (or a view of it) lives here, or
+        while a message that referred to it has not been freed by the trainer."""
+        size = _align(nbytes)
+        if size > self.capacity:
+            return None
+        self._regions = [r for r in self._regions if self._busy(r)]
+        start = self._fit(size, sorted((r.start, r.end) for r in self._regions))
+        if start is None:
+            return None
+        arr = self._data[start:start + nbytes]
+        region = _Region(start, start + size)
+        self._regions.append(region)
+        weakref.finalize(arr, setattr, region, "alive", False)
+        self._next = start + size
+        return arr
+
+    def _fit(self, size: int, busy: list[tuple[int, int]]) -> int | None:
+        """Next fit: the first gap of ``size`` bytes at or after ``_next``, wrapping once."""
+        for origin in (self._next, 0):
+            pos = origin
+            for start, end in busy:
+                if end <= pos:
+                    continue
+                if pos + size <= start:
+                    break
+                pos = end
+            if pos + size <= self.capacity:
+                return pos
+        return None
+
+    def _region_of(self, buf: Any) -> tuple[_Region, int] | None:
+        view = np.frombuffer(buf, np.uint8)
+        offset = view.ctypes.data - self._base
+        if not 0 <= offset < self.capacity:
+            return None
+        for region in self._regions:
+            if region.alive and region.start <= offset and offset + view.nbytes <= region.end:
+                return region, offset
+        return None
+
+    def place(self, buffers: Sequence[Any]) -> tuple[bytes, list[Any]]:
+        """The descriptor of a message carrying ``buffers``, and the buffers that
+        still go inline. Buffers in the ring already are referenced; big ones are
+        copied in if there is room."""
+        ticket = self._ticket
+        if not self._map[_FLAGS + ticket % TICKETS]:
+            # The message TICKETS ago is still held by the trainer: this one goes inline.
+            return pack_descriptor(self.ref.ring_id, ticket, [(INLINE, memoryview(b).nbytes)
+                                                              for b in buffers]), list(buffers)
+        extents, inline, used = [], [], []
+        for buf in buffers:
+            n = memoryview(buf).nbytes
+            found = self._region_of(buf) if n else None
+            if found is None and n >= MIN_COPY_BYTES:
+                arr = self.allocate(n)
+                if arr is not None:
+                    np.copyto(arr, np.frombuffer(buf, np.uint8))
+                    found = self._region_of(arr)
+            if found is None:
+                inline.append(buf)
+                extents.append((INLINE, n))
+            else:
+                used.append(found[0])
+                extents.append((found[1], n))
+        self._map[_FLAGS + ticket % TICKETS] = 0
+        self._ticket += 1
+        for region in used:
+            region.tickets.insert(0, ticket)  # newest first; freed from the end
+        return pack_descriptor(self.ref.ring_id, ticket, extents), inline
+
+    def close(self) -> None:
+        self._regions.clear()
+        del self._data
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a batch the dataset kept still views it; unmapped when it goes
+        self._map = None
+
+
+# -- collate straight into the ring ---------------------------------------------------
+
+_active = threading.local()
+_torch_new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+
+
+def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> Any:
+    # torch's default_collate asks for shared memory when it runs in a worker; in a
+    # dpex worker that memory is the ring (or, when the ring is full, plain memory:
+    # a fresh shared-memory segment per batch costs more than the batch itself).
+    ring = getattr(_active, "ring", None)
+    if ring is None or torch.device(device).type != "cpu":
+        return _torch_new_shared.__func__(cls, size, device=device)
+    arr = ring.allocate(size) if size else None
+    if arr is None:
+        return cls(size)
+    return torch.frombuffer(arr, dtype=torch.uint8).untyped_storage()
+
+
+@contextlib.contextmanager
+def collating_into(ring: WorkerRing | None) -> Iterator[None]:
+    """Within this block, on this thread, collated tensors are allocated in ``ring``."""
+    if ring is None or _torch_new_shared is None:
+        yield
+        return
+    if torch.UntypedStorage.__dict__.get("_new_shared") is not _PATCH:
+        torch.UntypedStorage._new_shared = _PATCH  # this process is a dpex worker
+    _active.ring = ring
+    try:
+        yield
+    finally:
+        _active.ring = None
+
+
+_PATCH = classmethod(_new_shared)

@@ -1,0 +1,190 @@
+"""The same-node ring (dpex._shm) driven directly: no Ray, both ends in this process."""
+
+import gc
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import default_collate
+from torch.utils.data._utils import worker as torch_worker
+
+from dpex._protocol import Kind, Wire
+from dpex._shm import (
+    INLINE,
+    TICKETS,
+    RingRef,
+    RingUnavailable,
+    TrainerRing,
+    WorkerRing,
+    collating_into,
+    split_descriptor,
+)
+
+NODE = "node-a"
+
+
+@pytest.fixture
+def rings():
+    trainer = TrainerRing(0, 1 << 20, NODE)
+    worker = WorkerRing(trainer.ref, NODE)
+    yield trainer, worker
+    worker.close()
+    trainer.close()
+
+
+def _memfds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return [link for link in out if "dpex-ring" in link]
+
+
+def send(trainer, worker, buffers):
+    descriptor, inline = worker.place(buffers)
+    _, ticket, extents, _ = split_descriptor(memoryview(descriptor))
+    spans = trainer.take(ticket, extents)
+    frames = iter(inline)
+    return [next(frames) if s is None else s for s in spans], extents
+
+
+def test_a_collated_batch_crosses_without_a_copy(rings):
+    trainer, worker = rings
+    batch = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    arr = worker.allocate(batch.numel() * 4)
+    arr[:] = batch.reshape(-1).view(torch.uint8).numpy()
+    got, extents = send(trainer, worker, [arr])
+    assert extents[0][0] != INLINE
+    assert np.array_equal(got[0], arr)
+    got[0][0] = 255  # the trainer's array is the very memory the worker wrote
+    assert arr[0] == 255
+
+
+def test_small_buffers_outside_the_ring_go_inline_and_big_ones_are_copied_in(rings):
+    trainer, worker = rings
+    small, big = np.arange(100, dtype=np.uint8), np.full(200_000, 7, np.uint8)
+    got, extents = send(trainer, worker, [small, big])
+    assert extents[0][0] == INLINE and extents[1][0] != INLINE
+    assert got[0] is small and np.array_equal(got[1], big)
+
+
+def test_held_regions_are_never_overwritten_whatever_is_held():
+    trainer = TrainerRing(0, 4 << 20, NODE)
+    worker = WorkerRing(trainer.ref, NODE)
+    rng = random.Random(0)
+    held: list[tuple[np.ndarray, int]] = []
+    kept_by_worker: list[tuple[np.ndarray, int]] = []
+    in_ring = 0
+    for i in range(3000):
+        n = rng.choice([64, 1000, 30_000, 150_000, 400_000])
+        value = i % 251
+        arr = worker.allocate(n)
+        if arr is None:  # full: as a worker does, send from plain memory instead
+            arr = np.empty(n, np.uint8)
+        arr[:] = value
+        got, extents = send(trainer, worker, [arr])
+        in_ring += extents[0][0] != INLINE
+        if rng.random() < 0.02:
+            kept_by_worker.append((arr, value))  # a dataset that caches its batch
+        del arr
+        held.append((got[0], value))
+        rng.shuffle(held)
+        while len(held) > rng.choice([0, 1, 3, 8]):
+            held.pop()  # the training loop drops batches in any order
+        for a, v in held + kept_by_worker:
+            assert a.min() == v == a.max(), f"a held buffer was overwritten at step {i}"
+    assert in_ring > 2000, in_ring  # and the ring was in use, not bypassed
+    held.clear()
+    kept_by_worker.clear()
+    worker.close()
+    trainer.close()
+
+
+def test_a_full_ring_sends_inline_and_recovers_when_freed(rings):
+    trainer, worker = rings
+    big = np.full(300_000, 1, np.uint8)
+    held = [send(trainer, worker, [big])[0] for _ in range(3)]
+    assert worker.allocate(300_000) is None  # 3 × 300 kB held in a 1 MiB ring
+    got, extents = send(trainer, worker, [big])
+    assert extents[0][0] == INLINE and np.array_equal(got[0], big)
+    held.clear()
+    assert worker.allocate(300_000) is not None
+
+
+def test_a_message_held_a_full_ticket_cycle_ago_sends_the_next_inline(rings):
+    trainer, worker = rings
+    first = send(trainer, worker, [worker.allocate(64)])[0]
+    for _ in range(TICKETS - 1):
+        send(trainer, worker, [worker.allocate(64)])
+    got, extents = send(trainer, worker, [np.full(100_000, 3, np.uint8)])
+    assert extents[0][0] == INLINE  # its ticket slot still belongs to ``first``
+    del first
+    got, extents = send(trainer, worker, [np.full(100_000, 3, np.uint8)])
+    assert extents[0][0] != INLINE
+
+
+@pytest.mark.parametrize("mutate", ["nonce", "node", "pid"])
+def test_a_worker_that_cannot_reach_the_ring_says_why(mutate):
+    trainer = TrainerRing(0, 1 << 20, NODE)
+    ref = trainer.ref
+    bad = {"nonce": RingRef(0, NODE, ref.pid, ref.fd, b"x" * 16, ref.capacity),
+           "node": RingRef(0, "node-b", ref.pid, ref.fd, ref.nonce, ref.capacity),
+           "pid": RingRef(0, NODE, 2**22 + 1, ref.fd, ref.nonce, ref.capacity)}[mutate]
+    with pytest.raises(RingUnavailable, match={"nonce": "nonce", "node": "another Ray node",
+                                               "pid": "cannot open"}[mutate]):
+        WorkerRing(bad, NODE)
+    trainer.close()
+
+
+def test_a_span_outside_the_ring_is_refused_and_its_ticket_freed(rings):
+    trainer, worker = rings
+    with pytest.raises(ValueError, match="outside the ring"):
+        trainer.take(0, [(trainer.capacity - 10, 64)])
+    assert worker.place([worker.allocate(64)])  # ticket 0's slot is usable again
+
+
+def test_default_collate_writes_into_the_ring_only_inside_the_block(rings):
+    _, worker = rings
+    items = [torch.full((3, 8, 8), i, dtype=torch.float32) for i in range(4)]
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=0, num_workers=1, seed=0,
+                                                        dataset=None)
+    try:
+        with collating_into(worker):
+            inside = default_collate(items)
+        outside = default_collate(items)
+    finally:
+        torch_worker._worker_info = None
+    assert torch.equal(inside, outside)
+    assert worker._region_of(inside.reshape(-1).view(torch.uint8).numpy()) is not None
+    assert worker._region_of(outside.reshape(-1).view(torch.uint8).numpy()) is None
+
+
+def test_a_ring_batch_message_round_trips_through_the_wire(rings):
+    trainer, worker = rings
+    wire = Wire.new()
+    batch = {"x": torch.randn(32, 3, 16, 16), "y": torch.arange(32), "id": "b7"}
+    frames = wire.encode_data(1, 5, 0, batch, ring=worker)
+    msg = wire.decode(frames, {0: trainer})
+    assert msg.kind is Kind.BATCH and msg.in_ring and msg.seq == 5
+    assert torch.equal(msg.payload["x"], batch["x"]) and msg.payload["id"] == "b7"
+    assert wire.decode(frames, {}).kind is Kind.ERROR  # an unknown ring: an error, no hang
+
+
+def test_closing_leaves_no_memfd_and_live_batches_stay_readable():
+    before = _memfds()
+    trainer = TrainerRing(0, 1 << 20, NODE)
+    worker = WorkerRing(trainer.ref, NODE)
+    arr = worker.allocate(1000)
+    arr[:] = 9
+    kept = send(trainer, worker, [arr])[0][0]
+    del arr
+    worker.close()
+    trainer.close()
+    assert kept.min() == kept.max() == 9  # the mapping lives as long as a batch views it
+    del kept
+    gc.collect()
+    assert _memfds() == before  # and then nothing of the ring is left in this process
