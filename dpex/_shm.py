@@ -289,10 +289,10 @@ def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> Any:
     # torch's default_collate asks for shared memory when it runs in a worker; in a
     # dpex worker that memory is the ring (or, when the ring is full, plain memory:
     # a fresh shared-memory segment per batch costs more than the batch itself).
-    ring = getattr(_active, "ring", None)
-    if ring is None or torch.device(device).type != "cpu":
+    if not getattr(_active, "on", False) or torch.device(device).type != "cpu":
         return _torch_new_shared.__func__(cls, size, device=device)
-    arr = ring.allocate(size) if size else None
+    ring = _active.ring
+    arr = ring.allocate(size) if ring is not None and size else None
     if arr is None:
         return cls(size)
     return torch.frombuffer(arr, dtype=torch.uint8).untyped_storage()
@@ -300,17 +300,19 @@ def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> Any:
 
 @contextlib.contextmanager
 def collating_into(ring: WorkerRing | None) -> Iterator[None]:
-    """Within this block, on this thread, collated tensors are allocated in ``ring``."""
-    if ring is None or _torch_new_shared is None:
+    """Within this block, on this thread, the shared memory torch's collate asks for
+    is allocated in ``ring``, or in plain memory when it is ``None`` or full (the
+    batch then goes over the socket, which needs no shared memory)."""
+    if _torch_new_shared is None:  # a torch without this hook: its own shared memory
         yield
         return
     if torch.UntypedStorage.__dict__.get("_new_shared") is not _PATCH:
         torch.UntypedStorage._new_shared = _PATCH  # this process is a dpex worker
-    _active.ring = ring
+    _active.ring, _active.on = ring, True
     try:
         yield
     finally:
-        _active.ring = None
+        _active.ring, _active.on = None, False
 
 
 _PATCH = classmethod(_new_shared)

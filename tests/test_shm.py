@@ -156,11 +156,14 @@ def test_default_collate_writes_into_the_ring_only_inside_the_block(rings):
         with collating_into(worker):
             inside = default_collate(items)
         outside = default_collate(items)
+        with collating_into(None):  # no ring (a remote worker): plain memory
+            plain = default_collate(items)
     finally:
         torch_worker._worker_info = None
-    assert torch.equal(inside, outside)
+    assert torch.equal(inside, outside) and torch.equal(plain, outside)
     assert worker._region_of(inside.reshape(-1).view(torch.uint8).numpy()) is not None
     assert worker._region_of(outside.reshape(-1).view(torch.uint8).numpy()) is None
+    assert outside.is_shared() and not plain.is_shared()  # torch's own shm outside only
 
 
 def test_a_ring_batch_message_round_trips_through_the_wire(rings):
