@@ -11,6 +11,7 @@ from dpex.errors import (
     BatchTooLargeError,
     DatasetNotPicklableError,
     DpexError,
+    FleetError,
     ProtocolError,
     RayConnectionError,
     WorkerDiedError,
@@ -26,6 +27,7 @@ __all__ = [
     "WorkerStartupError",
     "WorkerDiedError",
     "BatchTooLargeError",
+    "FleetError",
     "ProtocolError",
     "__version__",
 ]

@@ -26,6 +26,8 @@ class DpexConfig:
     dying; one death more is a ``WorkerDiedError``.
     ``shm_ring_bytes``: the shared-memory ring of each worker on the trainer's node
     (the same-node fast path); 0 turns it off.
+    ``worker_pool``: the name of a running fleet (``dpex fleet start``) whose workers
+    serve this loader's sessions instead of workers of its own.
     """
 
     distribute_mode: bool = False
@@ -35,6 +37,7 @@ class DpexConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_worker_restarts: int = 3
     shm_ring_bytes: int = DEFAULT_RING_BYTES
+    worker_pool: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.distribute_mode, bool):
@@ -57,3 +60,9 @@ class DpexConfig:
                 or not (self.shm_ring_bytes == 0 or self.shm_ring_bytes >= 1 << 20)):
             raise ValueError(
                 f"shm_ring_bytes must be 0 (off) or an int >= 1 MiB, got {self.shm_ring_bytes!r}")
+        if self.worker_pool is not None:
+            if not isinstance(self.worker_pool, str) or not self.worker_pool:
+                raise ValueError(f"worker_pool must be a fleet's name, got {self.worker_pool!r}")
+            if self.ray_remote_args:
+                raise ValueError("ray_remote_args has no effect with worker_pool: the fleet's "
+                                 "workers were placed by `dpex fleet start`")

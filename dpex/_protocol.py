@@ -31,7 +31,9 @@ Control plane (trainer ROUTER ⇄ worker DEALER): ``HELLO`` (worker → trainer,
 once, carries versions and placement), ``TASKS`` (a list of ``(seq, indices)``),
 ``RESUME`` (start epoch ``epoch`` on persistent workers), ``SKIP`` (a replacement
 worker passes over the first ``payload`` batches of its IterableDataset shard,
-which its predecessor already delivered) and ``STOP``.
+which its predecessor already delivered), ``STOP`` and ``PING`` (sent every
+``PING_INTERVAL_S`` while the trainer lives; a worker whose session hears nothing
+for its session timeout ends that session, so a vanished trainer frees it).
 
 Decoding never raises anything but :class:`~dpex.errors.ProtocolError`, whose
 ``reason`` names why the message was rejected.
@@ -70,6 +72,7 @@ HEADER_SIZE = _HEADER.size
 MAC_SIZE = 16
 KEY_SIZE = 32
 DEFAULT_MAX_MESSAGE_BYTES = 2 << 30  # 2 GiB
+PING_INTERVAL_S = 1.0
 
 
 class Kind(enum.IntEnum):
@@ -82,6 +85,7 @@ class Kind(enum.IntEnum):
     RESUME = 12
     STOP = 13
     SKIP = 14
+    PING = 15
 
 
 DATA_KINDS = frozenset({Kind.BATCH, Kind.RING_BATCH, Kind.ERROR, Kind.END})
@@ -215,12 +219,23 @@ class Wire:
                      rings: Mapping[int, TrainerRing], sid: bytes, epoch: int, seq: int,
                      worker_id: int) -> Message:
         try:
-            ring_id, ticket, extents, structure = split_descriptor(body)
-            if [n for pos, n in extents if pos == INLINE] != [b.nbytes for b in inline]:
-                raise ValueError("inline frames do not match the descriptor")
-            spans = rings[ring_id].take(ticket, extents)
+            ring_id, extents, structure = split_descriptor(body)
+            ring = rings[ring_id]
         except (struct.error, ValueError, KeyError) as exc:
             # Authentic, so a worker sent it: an error in the batch's slot, not a hang.
+            return Message(Kind.ERROR, sid, epoch, seq, worker_id,
+                           undecodable_error(worker_id, seq, "ring descriptor", exc))
+        if ring.retired:  # its worker was replaced, and the replacement redoes the task
+            ring.release(extents)
+            raise ProtocolError("retired-ring", f"batch {seq} from a replaced worker's ring")
+        try:
+            if ring.worker_id != worker_id:
+                raise ValueError(f"ring {ring_id} belongs to worker {ring.worker_id}")
+            if [n for pos, n, _ in extents if pos == INLINE] != [b.nbytes for b in inline]:
+                raise ValueError("inline frames do not match the descriptor")
+            spans = ring.take(extents)
+        except ValueError as exc:
+            ring.release(extents)
             return Message(Kind.ERROR, sid, epoch, seq, worker_id,
                            undecodable_error(worker_id, seq, "ring descriptor", exc))
         frames = iter(inline)

@@ -15,12 +15,12 @@ batch is copied neither when it is sent nor when it is received. A buffer that
 is not in the ring is copied into it (``place``), or sent inline when it is
 small or the ring is full: the ring never makes anything wait.
 
-Reuse: each ring message carries a ticket (a per-ring message count). The
-trainer sets the ticket's byte once every tensor it made from the message is
+Reuse: each buffer sent through the ring carries a ticket, one of ``TICKETS``
+slots, whose byte the trainer sets once the tensor it made from that buffer is
 garbage. The worker allocates next-fit around the regions still busy: alive in
-the worker, or referred to by a message whose ticket is not freed yet. So
-neither side's tensors are ever overwritten, and a batch the training loop
-keeps only takes its own region out of use, not the whole ring.
+the worker, or referred to by a ticket not freed yet. So neither side's tensors
+are ever overwritten, and a tensor the training loop keeps (say, a batch's
+labels) only takes its own region out of use, not its batch's or the ring's.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ DEFAULT_RING_BYTES = 64 << 20
 MIN_COPY_BYTES = 64 << 10
 INLINE = (1 << 64) - 1  # an extent's position for "the next inline frame"
 _NONCE = slice(0, 16)
-_FLAGS = 1024  # one byte per ticket slot: 1 = the trainer freed that message
-TICKETS = 2048
+_FLAGS = 1024  # one byte per ticket slot: 1 = the trainer freed that buffer
+TICKETS = 3072
 _DATA = 4096
 _ALIGN = 64
-_HEAD = struct.Struct("<IQI")  # ring_id, ticket, n_buffers; then n × _EXTENT
-_EXTENT = struct.Struct("<QQ")  # offset in the ring (or INLINE), size
+_HEAD = struct.Struct("<II")  # ring_id, n_buffers; then n × _EXTENT
+_EXTENT = struct.Struct("<QQQ")  # offset in the ring (or INLINE), size, ticket
 
 
 class RingUnavailable(Exception):
@@ -76,18 +76,19 @@ def _align(n: int) -> int:
     return max(_ALIGN, (n + _ALIGN - 1) // _ALIGN * _ALIGN)
 
 
-def pack_descriptor(ring_id: int, ticket: int, extents: Sequence[tuple[int, int]]) -> bytes:
-    return _HEAD.pack(ring_id, ticket, len(extents)) + b"".join(_EXTENT.pack(*e) for e in extents)
+def pack_descriptor(ring_id: int, extents: Sequence[tuple[int, int, int]]) -> bytes:
+    return _HEAD.pack(ring_id, len(extents)) + b"".join(_EXTENT.pack(*e) for e in extents)
 
 
-def split_descriptor(body: memoryview) -> tuple[int, int, list[tuple[int, int]], memoryview]:
-    """A ring message's body → ring id, ticket, extents, and the pickled structure."""
-    ring_id, ticket, n = _HEAD.unpack_from(body)
+def split_descriptor(body: memoryview) -> tuple[int, list[tuple[int, int, int]], memoryview]:
+    """A ring message's body → ring id, extents ``(offset, size, ticket)``, and the
+    pickled structure."""
+    ring_id, n = _HEAD.unpack_from(body)
     at = _HEAD.size + n * _EXTENT.size
     if body.nbytes < at:
         raise ValueError(f"descriptor of {n} buffers truncated")
     extents = [_EXTENT.unpack_from(body, _HEAD.size + i * _EXTENT.size) for i in range(n)]
-    return ring_id, ticket, extents, body[at:]
+    return ring_id, extents, body[at:]
 
 
 class TrainerRing:
@@ -97,12 +98,14 @@ class TrainerRing:
     batch's last tensor (one byte write each).
     """
 
-    def __init__(self, ring_id: int, capacity: int, node_id: str) -> None:
+    def __init__(self, ring_id: int, capacity: int, node_id: str, worker_id: int = 0) -> None:
         self.capacity = capacity
-        self._fd = os.memfd_create(f"dpex-ring-{ring_id}", os.MFD_CLOEXEC)
+        self.worker_id = worker_id  # the only worker whose messages may refer to it
+        self.retired = False  # its worker was replaced: late messages are dropped
+        self._fd = os.memfd_create(f"dpex-ring-{os.getpid()}-{ring_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, _DATA + capacity)
-            self._map = mmap.mmap(self._fd, _DATA + capacity)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, _DATA + capacity)
         except BaseException:
             os.close(self._fd)
             raise
@@ -112,33 +115,32 @@ class TrainerRing:
         self._lock = threading.Lock()
         self.ref = RingRef(ring_id, node_id, os.getpid(), self._fd, nonce, capacity)
 
-    def take(self, ticket: int, extents: Sequence[tuple[int, int]]) -> list[np.ndarray | None]:
-        """Arrays over one message's ring buffers (``None`` for inline ones); its ticket
-        is freed once they are all garbage. Raises ``ValueError`` (and frees the
-        ticket) for a span outside the ring."""
-        for pos, size in extents:
-            if pos != INLINE and pos + size > self.capacity:
-                self._free([ticket, 1])
-                raise ValueError(f"ring span [{pos}, {pos + size}) outside the ring")
-        record = [ticket, 0]
+    def take(self, extents: Sequence[tuple[int, int, int]]) -> list[np.ndarray | None]:
+        """Arrays over one message's ring buffers (``None`` for inline ones). Each
+        buffer's ticket is freed once its array is garbage. Raises ``ValueError`` for
+        a span outside the ring (the caller then releases the tickets)."""
+        if any(pos != INLINE and pos + size > self.capacity for pos, size, _ in extents):
+            raise ValueError(f"a span of {list(extents)} is outside the ring")
         out: list[np.ndarray | None] = []
-        for pos, size in extents:
+        for pos, size, ticket in extents:
             if pos == INLINE:
                 out.append(None)
                 continue
             arr = np.frombuffer(self._map, np.uint8, size, _DATA + pos)
-            record[1] += 1
-            weakref.finalize(arr, self._free, record)
+            weakref.finalize(arr, self._free, ticket)
             out.append(arr)
-        if not record[1]:
-            self._free([ticket, 1])
         return out
 
-    def _free(self, record: list[int]) -> None:
+    def release(self, extents: Sequence[tuple[int, int, int]]) -> None:
+        """Free the tickets of a message that will not be read (a bad descriptor)."""
+        for pos, _, ticket in extents:
+            if pos != INLINE:
+                self._free(ticket)
+
+    def _free(self, ticket: int) -> None:
         with self._lock:
-            record[1] -= 1
-            if record[1] == 0 and self._map is not None:
-                self._map[_FLAGS + record[0] % TICKETS] = 1
+            if self._map is not None:
+                self._map[_FLAGS + ticket % TICKETS] = 1
 
     def close(self) -> None:
         """Close the fd and unmap (idempotent). Batches still alive keep the mapping
@@ -148,11 +150,11 @@ class TrainerRing:
         os.close(self._fd)
         self._fd = -1
         with self._lock:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # a batch still views it: the mapping (and its fd) go with the batch
-            self._map = None
+            mapping, self._map = self._map, None
+        try:  # outside the lock: a collection here may run a finalizer that takes it
+            mapping.close()
+        except BufferError:
+            pass  # a batch still views it: the mapping (and its fd) go with the batch
 
 
 class _Region:
@@ -239,37 +241,44 @@ class WorkerRing:
                 return region, offset
         return None
 
+    def _next_ticket(self) -> int | None:
+        """A ticket whose slot the trainer has freed, or ``None`` (a few tries: a slot
+        stays taken while the trainer keeps that buffer)."""
+        for _ in range(8):
+            ticket, self._ticket = self._ticket, self._ticket + 1
+            if self._map[_FLAGS + ticket % TICKETS]:
+                return ticket
+        return None
+
     def place(self, buffers: Sequence[Any]) -> tuple[bytes, list[Any]]:
         """The descriptor of a message carrying ``buffers``, and the buffers that
         still go inline. Buffers in the ring already are referenced; big ones are
-        copied in if there is room."""
-        ticket = self._ticket
-        if not self._map[_FLAGS + ticket % TICKETS]:
-            # The message TICKETS ago is still held by the trainer: this one goes inline.
-            return pack_descriptor(self.ref.ring_id, ticket, [(INLINE, memoryview(b).nbytes)
-                                                              for b in buffers]), list(buffers)
-        extents, inline, used = [], [], []
+        copied in if there is room. Each buffer in the ring gets its own ticket."""
+        extents, inline, copies = [], [], []
         for buf in buffers:
             n = memoryview(buf).nbytes
             found = self._region_of(buf) if n else None
             if found is None and n >= MIN_COPY_BYTES:
                 arr = self.allocate(n)
                 if arr is not None:
+                    copies.append(arr)  # alive until its ticket protects it
                     np.copyto(arr, np.frombuffer(buf, np.uint8))
                     found = self._region_of(arr)
-            if found is None:
+            ticket = self._next_ticket() if found is not None else None
+            if ticket is None:
                 inline.append(buf)
-                extents.append((INLINE, n))
-            else:
-                used.append(found[0])
-                extents.append((found[1], n))
-        self._map[_FLAGS + ticket % TICKETS] = 0
-        self._ticket += 1
-        for region in used:
+                extents.append((INLINE, n, 0))
+                continue
+            region, offset = found
+            self._map[_FLAGS + ticket % TICKETS] = 0
             region.tickets.insert(0, ticket)  # newest first; freed from the end
-        return pack_descriptor(self.ref.ring_id, ticket, extents), inline
+            extents.append((offset, n, ticket))
+        return pack_descriptor(self.ref.ring_id, extents), inline
 
     def close(self) -> None:
+        """Unmap (idempotent)."""
+        if self._map is None:
+            return
         self._regions.clear()
         del self._data
         try:

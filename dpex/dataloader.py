@@ -71,6 +71,7 @@ class DpexDataLoader(DataLoader[T_co]):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_worker_restarts: int = 3,
         shm_ring_bytes: int = DEFAULT_RING_BYTES,
+        worker_pool: str | None = None,
     ) -> None:
         if isinstance(batch_size, bool):
             raise TypeError(
@@ -79,7 +80,7 @@ class DpexDataLoader(DataLoader[T_co]):
             )
         config = DpexConfig(distribute_mode, head_address, dict(ray_remote_args or {}),
                             startup_timeout, max_message_bytes, max_worker_restarts,
-                            shm_ring_bytes)
+                            shm_ring_bytes, worker_pool)
         # Public attributes named like the parameters: frameworks (Lightning) rebuild the
         # loader from them, so they must exist under exactly these names.
         self.distribute_mode = config.distribute_mode
@@ -89,6 +90,7 @@ class DpexDataLoader(DataLoader[T_co]):
         self.max_message_bytes = config.max_message_bytes
         self.max_worker_restarts = config.max_worker_restarts
         self.shm_ring_bytes = config.shm_ring_bytes
+        self.worker_pool = config.worker_pool
         self._live_iterators: weakref.WeakSet = weakref.WeakSet()
         self._latest: weakref.ref | None = None  # the newest distributed iterator
         self._final_stats: dict = {}  # what the newest one to shut down reported last
@@ -104,7 +106,7 @@ class DpexDataLoader(DataLoader[T_co]):
         """dpex's settings as one validated, frozen object."""
         return DpexConfig(self.distribute_mode, self.head_address, dict(self.ray_remote_args),
                           self.startup_timeout, self.max_message_bytes, self.max_worker_restarts,
-                          self.shm_ring_bytes)
+                          self.shm_ring_bytes, self.worker_pool)
 
     @property
     def _distributed(self) -> bool:

@@ -5,6 +5,8 @@
      ├── DatasetNotPicklableError the dataset / sampler / collate_fn cannot be shipped to workers
      ├── WorkerStartupError      workers could not be placed or started within the start-up limit
      ├── WorkerDiedError         a worker actor exited while its iterator still needed it
+     ├── FleetError              a worker fleet (``worker_pool``, ``dpex fleet``) cannot be
+     │                           started, found or used
      ├── BatchTooLargeError      (raised inside a worker, in its batch's slot) a batch is
      │                           over ``max_message_bytes``
      └── ProtocolError           a message failed validation (counted and dropped, never raised
@@ -25,6 +27,7 @@ __all__ = [
     "WorkerStartupError",
     "WorkerDiedError",
     "BatchTooLargeError",
+    "FleetError",
     "ProtocolError",
 ]
 
@@ -59,3 +62,7 @@ class ProtocolError(DpexError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+
+class FleetError(DpexError):
+    """A worker fleet cannot be started, found or used; the message says why."""

@@ -109,8 +109,8 @@ def test_past_max_worker_restarts_the_error_names_the_worker_and_node():
 TRAINER = """
 import sys, time, torch
 from dpex import DpexDataLoader
-loader = DpexDataLoader(torch.zeros(10_000, 4096), batch_size=16, num_workers=2,
-                        distribute_mode=True)
+loader = DpexDataLoader(torch.zeros(2_000, 4096), batch_size=16, num_workers=2,
+                        distribute_mode=True, head_address=sys.argv[1])
 it = iter(loader)
 held = [next(it) for _ in range(8)]  # batches that live in the shared-memory rings
 while len(it._ready) < 2:
@@ -121,37 +121,40 @@ time.sleep(600)
 """
 
 
-def _ring_mappers() -> list[int]:
-    """Pids of processes that map a dpex ring (memfds show in /proc/PID/maps)."""
+def _ring_mappers(trainer_pid: int) -> list[int]:
+    """Pids of processes that map one of a trainer's rings (memfds show in /proc/PID/maps
+    as /memfd:dpex-ring-<trainer pid>-<ring>)."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/maps") as f:
-                if "dpex-ring" in f.read():
+                if f"dpex-ring-{trainer_pid}-" in f.read():
                     out.append(int(pid))
         except OSError:
             pass  # gone, or not ours to read
     return out
 
 
-def test_a_killed_trainer_leaves_no_worker_and_no_shared_memory_behind():
+def test_a_killed_trainer_leaves_no_worker_and_no_shared_memory_behind(ray_session):
     import subprocess
     import sys
 
     shm_before = set(os.listdir("/dev/shm"))
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # "auto" joins this test session's Ray instance, the newest one on this machine.
-    proc = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+    import select
+
+    address = ray_session.get_runtime_context().gcs_address  # this session's Ray
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, address], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
     try:
         line = ""
         deadline = time.monotonic() + 90
         while not line.startswith("PIDS") and time.monotonic() < deadline:
-            line = proc.stdout.readline()
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                line = proc.stdout.readline() or line
         pids = [int(p) for p in line.split()[1:]]
-        assert len(pids) == 2 and dsets.pids_alive(pids) == pids
-        assert set(pids) | {proc.pid} <= set(_ring_mappers())  # the rings were in use
+        assert len(pids) == 2 and dsets.pids_alive(pids) == pids, f"trainer said {line!r}"
+        assert set(pids) | {proc.pid} <= set(_ring_mappers(proc.pid))  # the rings were in use
     finally:
         proc.kill()
         proc.wait(10)
@@ -160,6 +163,6 @@ def test_a_killed_trainer_leaves_no_worker_and_no_shared_memory_behind():
         time.sleep(0.1)
     assert dsets.pids_alive(pids) == [], f"workers alive {time.monotonic() - t0:.1f} s later"
     # The rings were anonymous memfds: nothing in /dev/shm, no mapping left anywhere.
-    assert [p for p in _ring_mappers() if p != os.getpid()] == []
+    assert _ring_mappers(proc.pid) == []
     assert set(os.listdir("/dev/shm")) - shm_before == set()
     print(f"workers gone {time.monotonic() - t0:.2f} s after the trainer was killed")

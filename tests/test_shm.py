@@ -21,6 +21,7 @@ from dpex._shm import (
     collating_into,
     split_descriptor,
 )
+from dpex.errors import ProtocolError
 
 NODE = "node-a"
 
@@ -46,8 +47,8 @@ def _memfds() -> list[str]:
 
 def send(trainer, worker, buffers):
     descriptor, inline = worker.place(buffers)
-    _, ticket, extents, _ = split_descriptor(memoryview(descriptor))
-    spans = trainer.take(ticket, extents)
+    _, extents, _ = split_descriptor(memoryview(descriptor))
+    spans = trainer.take(extents)
     frames = iter(inline)
     return [next(frames) if s is None else s for s in spans], extents
 
@@ -115,18 +116,42 @@ def test_a_full_ring_sends_inline_and_recovers_when_freed(rings):
     assert worker.allocate(300_000) is not None
 
 
-def test_a_message_held_a_full_ticket_cycle_ago_sends_the_next_inline(rings):
+def test_a_buffer_held_for_a_whole_ticket_cycle_is_never_overwritten(rings):
     trainer, worker = rings
-    first = send(trainer, worker, [worker.allocate(64)])[0]
-    for _ in range(TICKETS - 1):
-        send(trainer, worker, [worker.allocate(64)])
-    got, extents = send(trainer, worker, [np.full(100_000, 3, np.uint8)])
-    assert extents[0][0] == INLINE  # its ticket slot still belongs to ``first``
-    del first
-    got, extents = send(trainer, worker, [np.full(100_000, 3, np.uint8)])
-    assert extents[0][0] != INLINE
+    arr = worker.allocate(64)
+    arr[:] = 42
+    first, extents = send(trainer, worker, [arr])
+    del arr
+    for _ in range(TICKETS + 10):  # every ticket slot comes round again; first's is taken
+        got, extents = send(trainer, worker, [worker.allocate(64)])
+        assert extents[0][0] != INLINE  # the held slot is skipped, not a reason to go inline
+    filler = []
+    while (arr := worker.allocate(4096)) is not None:
+        arr[:] = 7  # fill the ring: nothing may land on first's region
+        filler.append(arr)
+    assert first[0].min() == first[0].max() == 42
 
 
+def test_several_copied_buffers_of_one_message_never_overlap(rings):
+    trainer, worker = rings  # 1 MiB: the second buffer does not fit, the third does
+    bufs = [np.full(600_000, 1, np.uint8), np.full(500_000, 2, np.uint8),
+            np.full(300_000, 3, np.uint8)]
+    got, extents = send(trainer, worker, bufs)
+    spans = sorted((pos, pos + n) for pos, n, _ in extents if pos != INLINE)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    for g, b in zip(got, bufs, strict=True):
+        assert np.array_equal(g, b)
+
+
+def test_keeping_the_labels_frees_the_images_region(rings):
+    trainer, worker = rings
+    images, labels = worker.allocate(700_000), worker.allocate(64)
+    got, extents = send(trainer, worker, [images, labels])
+    del images, labels
+    kept_labels = got[1]
+    del got
+    assert worker.allocate(700_000) is not None  # only the labels' 64 bytes stay taken
+    assert kept_labels is not None
 @pytest.mark.parametrize("mutate", ["nonce", "node", "pid"])
 def test_a_worker_that_cannot_reach_the_ring_says_why(mutate):
     trainer = TrainerRing(0, 1 << 20, NODE)
@@ -140,11 +165,26 @@ def test_a_worker_that_cannot_reach_the_ring_says_why(mutate):
     trainer.close()
 
 
-def test_a_span_outside_the_ring_is_refused_and_its_ticket_freed(rings):
+def test_a_bad_descriptor_is_an_error_in_its_slot_and_frees_its_tickets(rings):
     trainer, worker = rings
     with pytest.raises(ValueError, match="outside the ring"):
-        trainer.take(0, [(trainer.capacity - 10, 64)])
-    assert worker.place([worker.allocate(64)])  # ticket 0's slot is usable again
+        trainer.take([(trainer.capacity - 10, 64, 0)])
+    wire = Wire.new()
+    frames = wire.encode_data(1, 3, 1, torch.zeros(64), ring=worker)  # worker 1, ring of 0
+    msg = wire.decode(frames, {0: trainer})
+    assert msg.kind is Kind.ERROR and "belongs to worker 0" in str(msg.payload.exc_msg)
+    _, extents, _ = split_descriptor(memoryview(frames[2]))
+    assert trainer._map[1024 + extents[0][2]] == 1  # its ticket was freed
+
+
+def test_late_messages_of_a_retired_ring_are_dropped(rings):
+    trainer, worker = rings
+    wire = Wire.new()
+    frames = wire.encode_data(1, 3, 0, torch.zeros(64), ring=worker)
+    trainer.retired = True
+    with pytest.raises(ProtocolError, match="replaced worker") as err:
+        wire.decode(frames, {0: trainer})
+    assert err.value.reason == "retired-ring"
 
 
 def test_default_collate_writes_into_the_ring_only_inside_the_block(rings):

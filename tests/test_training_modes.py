@@ -6,17 +6,11 @@ process group) and stopped afterwards; the ranks join it by address.
 
 import os
 import re
-import secrets
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 
 import dsets
 import pytest
+import raycluster
 import torch
 from dsets import assert_same
 from torch.utils.data.distributed import DistributedSampler
@@ -28,59 +22,21 @@ BIN = os.path.dirname(sys.executable)
 pytestmark = pytest.mark.timeout(300)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_head():
     """A Ray head on 127.0.0.1 with 4 CPUs; yields (address, env for its clients)."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
-    # Ray >= 2.59 authenticates local clusters with a token: give the head and every
-    # client the same one.
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16),
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
-    temp_dir = tempfile.mkdtemp(prefix="dpexray")  # keeps /tmp/ray's "current cluster" as is
-    head = subprocess.Popen(
-        [os.path.join(BIN, "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-         "--disable-usage-stats", f"--temp-dir={temp_dir}"],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.5).close()
-                break
-            except OSError:
-                if head.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("`ray start --head` did not come up") from None
-                time.sleep(0.1)
-        yield f"127.0.0.1:{port}", env
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(5)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(5)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with raycluster.ray_head(num_cpus=4) as head:
+        yield head
 
 
 def run(cmd, env, timeout=240):
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc.stdout
+    return raycluster.run(cmd, env, timeout).stdout
+
 
 
 def torchrun(script, *args, env):
     return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}", script, *args], env)
+                "--master_addr=127.0.0.1", f"--master_port={raycluster.free_port()}", script, *args], env)
 
 
 def test_ddp_ranks_get_exactly_torchs_batches_from_their_own_workers(ray_head, tmp_path):

@@ -34,7 +34,7 @@ from dpex.client._ledger import TaskLedger
 from dpex.client._ordering import OrderingBuffer
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
-from dpex.client._workers import WorkerGroup, actor_options
+from dpex.client._workers import FleetGroup, WorkerGroup, actor_options
 from dpex.errors import DpexError, WorkerDiedError, WorkerStartupError
 from dpex.server._worker_state import ShippedLoader, WorkerSpec
 
@@ -48,12 +48,13 @@ _iterator_ids = itertools.count()
 class _Runtime:
     """Everything one iterator started: loop thread, sockets, actors. Idempotent close."""
 
-    def __init__(self, name: str, handoff: queue.SimpleQueue, options: dict,
-                 max_message_bytes: int) -> None:
+    def __init__(self, name: str, handoff: queue.SimpleQueue, config: DpexConfig) -> None:
         host = node_address()  # may raise: before anything that needs closing exists
         self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))
-        self.session = TrainerSession(Wire.new(max_message_bytes), host, handoff)
-        self.workers = WorkerGroup(options, handoff)
+        self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff)
+        self.workers: WorkerGroup | FleetGroup = (
+            FleetGroup(config.worker_pool, handoff) if config.worker_pool
+            else WorkerGroup(actor_options(config.ray_remote_args), handoff))
         self.closed = False
 
     def open(self) -> None:
@@ -90,8 +91,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         ))
         self._handoff: queue.SimpleQueue = queue.SimpleQueue()
         name = f"dpex-loop-{next(_iterator_ids)}"
-        self._runtime = _Runtime(name, self._handoff, actor_options(config.ray_remote_args),
-                                 config.max_message_bytes)
+        self._runtime = _Runtime(name, self._handoff, config)
         self._finalizer = weakref.finalize(self, self._runtime.close)
         self._session = self._runtime.session
         self._loop = self._runtime.loop
@@ -106,7 +106,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                     data_address=self._session.data_address,
                     control_address=self._session.control_address,
                     niceness=os.getpriority(os.PRIO_PROCESS, 0),
-                    shared_seed=self._shared_seed, ring=self._new_ring(),
+                    shared_seed=self._shared_seed, ring=self._new_ring(w),
+                    pooled=config.worker_pool is not None,
                 )
                 for w in range(self._num_workers)
             ]
@@ -304,7 +305,11 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         if not fatal and self._incarnation[w] < self._max_restarts:
             self._recoveries.append({"worker": w, "reported_at": exit_.at,
                                      "cause": type(cause).__name__})
-            self._restart(w)
+            try:
+                self._restart(w)
+            except BaseException:  # e.g. the fleet is gone: nowhere to restart
+                self._shutdown_workers()
+                raise
             return
         self._shutdown_workers()
         if fatal:
@@ -327,8 +332,12 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._counters["restarted"] += 1
         self._ready.pop(w, None)
         self._startup_deadline = time.monotonic() + self._startup_timeout
-        spec = dataclasses.replace(self._specs[w], incarnation=self._incarnation[w],
-                                   shared_seed=self._worker_shared_seed, ring=self._new_ring())
+        old = self._specs[w].ring
+        if old is not None:
+            self._loop.call_soon(self._session.retire_ring, old.ring_id)
+        self._specs[w] = spec = dataclasses.replace(
+            self._specs[w], incarnation=self._incarnation[w],
+            shared_seed=self._worker_shared_seed, ring=self._new_ring(w))
         self._loop.call_soon(self._session.expect, w, spec.incarnation)
         self._runtime.workers.restart(spec, self._shipped)
         if self._dataset_kind == _DatasetKind.Iterable and self._ledger.delivered(w):
@@ -339,12 +348,12 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._counters["redispatched"] += len(tasks)
             self._loop.call_soon(self._session.send_tasks, w, self._epoch, tasks)
 
-    def _new_ring(self) -> RingRef | None:
+    def _new_ring(self, worker_id: int) -> RingRef | None:
         """A shared-memory ring for one worker (used only if it lands on this node)."""
         if not self._ring_bytes:
             return None
         try:
-            return self._session.new_ring(self._ring_bytes, self._node_id)
+            return self._session.new_ring(self._ring_bytes, self._node_id, worker_id)
         except OSError:  # no memfd here (or out of memory): that worker uses the socket
             return None
 

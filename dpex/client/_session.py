@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dpex._protocol import Kind, Message, Wire, worker_identity
+from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
 from dpex._shm import RingRef, TrainerRing
 from dpex.client._events import LoopFailure, WorkerHello
 from dpex.errors import ProtocolError
@@ -70,6 +70,7 @@ class TrainerSession:
         self._tasks = [
             asyncio.ensure_future(self._guard(self._receive_data())),
             asyncio.ensure_future(self._guard(self._receive_control())),
+            asyncio.ensure_future(self._guard(self._ping())),
         ]
 
     async def _guard(self, coro: Any) -> None:
@@ -110,6 +111,14 @@ class TrainerSession:
         self.received_in_ring += msg.in_ring
         ready.append(msg)
 
+    async def _ping(self) -> None:
+        """Tell every ready worker this trainer lives (a fleet worker frees a session
+        that stays silent for its session timeout)."""
+        while True:
+            await asyncio.sleep(PING_INTERVAL_S)
+            for worker_id in list(self._ready):
+                self.send(worker_id, Kind.PING, 0)
+
     async def _receive_control(self) -> None:
         assert self._ctrl is not None
         while True:
@@ -127,13 +136,19 @@ class TrainerSession:
                 self._send(msg.worker_id, frames_out)
             self.handoff.put(WorkerHello(msg.worker_id, msg.payload))
 
-    def new_ring(self, capacity: int, node_id: str) -> RingRef:
+    def new_ring(self, capacity: int, node_id: str, worker_id: int) -> RingRef:
         """A shared-memory ring for one worker incarnation (any thread; the loop thread
-        reads it). Rings of replaced workers stay until ``close``: their last messages
-        may still be in flight."""
-        ring = TrainerRing(len(self.rings), capacity, node_id)
+        reads it)."""
+        ring = TrainerRing(len(self.rings), capacity, node_id, worker_id)
         self.rings[ring.ref.ring_id] = ring
         return ring.ref
+
+    def retire_ring(self, ring_id: int) -> None:
+        """The ring's worker was replaced: unmap it (its memory goes once the batches
+        that view it do) and drop its late messages, whose tasks the replacement redoes."""
+        ring = self.rings[ring_id]
+        ring.retired = True
+        ring.close()
 
     def _identity(self, worker_id: int) -> bytes:
         return self._identities.get(worker_id) or worker_identity(worker_id, 0)

@@ -13,7 +13,7 @@ from dpex.errors import WorkerStartupError
 from dpex.server._actor import DpexWorker
 from dpex.server._worker_state import WorkerSpec
 
-__all__ = ["WorkerGroup", "actor_options"]
+__all__ = ["WorkerGroup", "FleetGroup", "actor_options", "check_placeable"]
 
 _DEFAULT_OPTIONS = {"num_cpus": 1, "scheduling_strategy": "SPREAD"}
 
@@ -42,6 +42,18 @@ def check_placeable(options: Mapping[str, Any], num_workers: int) -> None:
         )
 
 
+def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int) -> Any:
+    """A done-callback for a ``serve`` call: its end (clean or not) as a WorkerExit."""
+    def report(fut: Any) -> None:
+        try:
+            fut.result()
+        except BaseException as exc:
+            events.put(WorkerExit(worker_id, exc, incarnation))
+        else:
+            events.put(WorkerExit(worker_id, None, incarnation))
+    return report
+
+
 class WorkerGroup:
     """The actors of one iterator. ``stop()`` is idempotent and kills them all."""
 
@@ -63,7 +75,8 @@ class WorkerGroup:
         ref = actor.serve.remote(spec, shipped)
         # Ray fails this reference as soon as the actor dies (process killed, node
         # lost): liveness without polling.
-        ref.future().add_done_callback(self._on_exit(spec.worker_id, spec.incarnation))
+        ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
+                                                    spec.incarnation))
 
     def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
         """Replace the actor of ``spec.worker_id`` (killing the old one if it lingers)."""
@@ -77,15 +90,6 @@ class WorkerGroup:
                 pass  # already gone
         self._start_one(spec, shipped)
 
-    def _on_exit(self, worker_id: int, incarnation: int) -> Any:
-        def report(fut: Any) -> None:
-            try:
-                fut.result()
-            except BaseException as exc:
-                self.events.put(WorkerExit(worker_id, exc, incarnation))
-            else:
-                self.events.put(WorkerExit(worker_id, None, incarnation))
-        return report
 
     def stop(self) -> None:
         if self._stopped:
@@ -98,3 +102,58 @@ class WorkerGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass  # already gone
+
+
+class FleetGroup:
+    """This iterator's sessions on the workers of a fleet (``worker_pool=NAME``).
+
+    Same interface as :class:`WorkerGroup`, but the actors belong to the fleet:
+    ``stop()`` cancels this iterator's ``serve`` calls and leaves the workers
+    running. A replacement session goes to the least busy worker that answers,
+    so a dead worker's share moves to the survivors while Ray restarts it.
+    """
+
+    def __init__(self, fleet: str, events: queue.SimpleQueue) -> None:
+        self.fleet = fleet
+        self.options = {"worker_pool": fleet}
+        self.events = events
+        self.actors: dict[int, Any] = {}
+        self._calls: dict[int, Any] = {}
+        self._stopped = False
+
+    def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
+        from dpex._fleet import choose_workers
+
+        for spec, actor in zip(specs, choose_workers(self.fleet, len(specs)), strict=True):
+            self._start_one(spec, shipped, actor)
+
+    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, actor: Any) -> None:
+        self.actors[spec.worker_id] = actor
+        ref = actor.serve.remote(spec, shipped)
+        self._calls[spec.worker_id] = ref
+        ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
+                                                    spec.incarnation))
+
+    def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+        from dpex._fleet import choose_workers
+
+        if self._stopped:
+            return
+        self._cancel(spec.worker_id)
+        self._start_one(spec, shipped, choose_workers(self.fleet, 1)[0])
+
+    def _cancel(self, worker_id: int) -> None:
+        ref = self._calls.pop(worker_id, None)
+        if ref is not None:
+            try:
+                ray.cancel(ref)  # an async actor's task: its serve() ends and cleans up
+            except Exception:
+                pass  # already finished, or its worker is gone
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if ray.is_initialized():
+            for worker_id in list(self._calls):
+                self._cancel(worker_id)

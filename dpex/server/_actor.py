@@ -52,19 +52,47 @@ def _placement() -> dict:
     }
 
 
-class DpexWorker:
-    """Ray actor class (wrapped with ``ray.remote`` by the trainer side)."""
+class _Session:
+    """What one ``serve`` call (one trainer iterator, one worker id) shares between
+    its asyncio side and its compute thread."""
 
     def __init__(self) -> None:
-        self._stop = asyncio.Event()
-        self._epoch_floor = 0
+        self.stop = asyncio.Event()
+        self.epoch_floor = 0  # tasks of earlier epochs (abandoned) are skipped
+
+
+class DpexWorker:
+    """Ray actor class (wrapped with ``ray.remote`` by the trainer side, or started
+    detached by ``dpex fleet start``). It serves any number of sessions at once,
+    one ``serve`` call each; ``session_timeout`` is how long a session may hear
+    nothing from its trainer (which pings every second) before it is freed."""
+
+    def __init__(self, session_timeout: float = 30.0) -> None:
+        self.session_timeout = session_timeout
         self.placement = _placement()
+        self._sessions: set[_Session] = set()
+        self._lock = threading.Lock()
+        self._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0}
 
     def where(self) -> dict:
         return self.placement
 
+    def fleet_stats(self) -> dict:
+        """Placement, versions and traffic so far (``dpex fleet status``)."""
+        with self._lock:
+            counters = dict(self._counters)
+        return {**self.placement, "versions": local_versions(),
+                "sessions_active": len(self._sessions), **counters}
+
     async def stop(self) -> None:
-        self._stop.set()
+        """End every session this worker serves."""
+        for session in list(self._sessions):
+            session.stop.set()
+
+    def _count(self, batches: int, nbytes: int) -> None:
+        with self._lock:
+            self._counters["batches_sent"] += batches
+            self._counters["bytes_sent"] += nbytes
 
     async def serve(self, spec: WorkerSpec, shipped: bytes) -> dict:
         """Serve one session until STOP; returns counters. Raises if set-up fails.
@@ -80,9 +108,13 @@ class DpexWorker:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         halt = threading.Event()
         done: asyncio.Future = loop.create_future()
+        session = _Session()
         ring, transport = _attach_ring(spec, self.placement["node_id"])
         compute = threading.Thread(target=self._compute, name="dpex-compute", daemon=True,
-                                   args=(spec, shipped, ring, inbox, halt, loop, done))
+                                   args=(spec, shipped, ring, inbox, halt, loop, done, session))
+        self._sessions.add(session)
+        with self._lock:
+            self._counters["sessions_served"] += 1
         try:
             ctrl.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation))
@@ -96,8 +128,8 @@ class DpexWorker:
                 spec.wire.encode(Kind.HELLO, worker_id=spec.worker_id, payload=hello)
             )
             compute.start()
-            reader = asyncio.ensure_future(self._read_control(ctrl, spec, inbox))
-            stopper = asyncio.ensure_future(self._stop.wait())
+            reader = asyncio.ensure_future(self._read_control(ctrl, spec, inbox, session))
+            stopper = asyncio.ensure_future(session.stop.wait())
             try:
                 await asyncio.wait({reader, stopper, done}, return_when=asyncio.FIRST_COMPLETED)
                 if reader.done():
@@ -108,6 +140,7 @@ class DpexWorker:
                 reader.cancel()
                 stopper.cancel()
         finally:
+            self._sessions.discard(session)
             halt.set()
             inbox.put(None)
             if compute.is_alive():
@@ -123,7 +156,8 @@ class DpexWorker:
 
     def _compute(self, spec: WorkerSpec, shipped: bytes, ring: WorkerRing | None,
                  inbox: queue.SimpleQueue, halt: threading.Event,
-                 loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+                 loop: asyncio.AbstractEventLoop, done: asyncio.Future,
+                 session: _Session) -> None:
         _set_thread_niceness(spec.niceness)
         ctx = zmq.Context()
         data = ctx.socket(zmq.PUSH)
@@ -148,13 +182,14 @@ class DpexWorker:
                     state.skip(item[1])
                     continue
                 epoch, seq, indices = item
-                if epoch < self._epoch_floor:
+                if epoch < session.epoch_floor:
                     continue  # a task of an abandoned epoch: not worth computing
                 frames = state.run_task(epoch, seq, indices)
                 while not halt.is_set():
                     try:
                         data.send_multipart(frames, copy=False)
                         sent += 1
+                        self._count(1, sum(memoryview(f).nbytes for f in frames))
                         break
                     except zmq.Again:
                         continue
@@ -167,9 +202,12 @@ class DpexWorker:
         loop.call_soon_threadsafe(_settle, done, *outcome)
 
     async def _read_control(self, ctrl: zmq.asyncio.Socket, spec: WorkerSpec,
-                            inbox: queue.SimpleQueue) -> None:
+                            inbox: queue.SimpleQueue, session: _Session) -> None:
         while True:
-            frames = await ctrl.recv_multipart()
+            try:
+                frames = await asyncio.wait_for(ctrl.recv_multipart(), self.session_timeout)
+            except asyncio.TimeoutError:
+                return  # the trainer stopped pinging: it is gone, the session ends
             try:
                 msg = spec.wire.decode(frames)
             except ProtocolError:
@@ -178,12 +216,12 @@ class DpexWorker:
                 for seq, indices in msg.payload:
                     inbox.put((msg.epoch, seq, indices))
             elif msg.kind is Kind.RESUME:
-                self._epoch_floor = msg.epoch  # tasks of earlier epochs are skipped
+                session.epoch_floor = msg.epoch  # tasks of earlier epochs are skipped
                 inbox.put((_RESUME, msg.payload))
             elif msg.kind is Kind.SKIP:
                 inbox.put((_SKIP, msg.payload))
             elif msg.kind is Kind.STOP:
-                self._stop.set()
+                session.stop.set()
 
 
 def _attach_ring(spec: WorkerSpec, node_id: str) -> tuple[WorkerRing | None, str]:
@@ -193,7 +231,7 @@ def _attach_ring(spec: WorkerSpec, node_id: str) -> tuple[WorkerRing | None, str
         return None, "socket (no ring offered)"
     try:
         return WorkerRing(spec.ring, node_id), "ring"
-    except RingUnavailable as exc:
+    except (RingUnavailable, OSError) as exc:  # OSError: mmap refused (memory limits)
         return None, f"socket ({exc})"
 
 

@@ -1,0 +1,158 @@
+"""Standalone worker fleets: detached, named dpex workers that training ranks share.
+
+A fleet ``NAME`` is the Ray actors ``NAME/0`` … ``NAME/N-1`` in the ``dpex``
+namespace, created detached (they outlive the script that started them and
+every trainer) and restartable (Ray starts a dead one again, with the same
+name). Each is an ordinary :class:`~dpex.server._actor.DpexWorker`: every loader
+iterator that attaches opens one session per logical worker on it, with its own
+sockets, key, dataset and compute thread.
+
+These functions need a connected Ray (``dpex.cli`` connects, the loader does).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ray
+
+from dpex._version import local_versions
+from dpex.client._workers import check_placeable
+from dpex.errors import FleetError, WorkerStartupError
+from dpex.server._actor import DpexWorker
+
+__all__ = ["NAMESPACE", "FleetError", "start_fleet", "fleet_status", "stop_fleet",
+           "fleet_workers", "choose_workers"]
+
+NAMESPACE = "dpex"
+_CALL_TIMEOUT_S = 10.0
+
+
+def _name(fleet: str, index: int) -> str:
+    return f"{fleet}/{index}"
+
+
+def fleet_workers(fleet: str) -> list[tuple[int, Any]]:
+    """The fleet's actors as ``(index, handle)``, by index; ``[]`` if there is none."""
+    prefix = fleet + "/"
+    indices = sorted(
+        int(a["name"][len(prefix):]) for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
+        and a["name"][len(prefix):].isdigit()
+    )
+    return [(i, ray.get_actor(_name(fleet, i), namespace=NAMESPACE)) for i in indices]
+
+
+def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
+                resources: Mapping[str, float] | None = None, session_timeout: float = 30.0,
+                timeout: float = 120.0, progress: Callable[[str], None] = print) -> list[dict]:
+    """Start ``workers`` detached workers named ``fleet/i``; return their stats once
+    all are up. Raises :class:`FleetError` (and leaves nothing behind) when the
+    fleet exists already or the cluster cannot place every worker in ``timeout``."""
+    if not fleet or "/" in fleet:
+        raise FleetError(f"fleet name {fleet!r}: give a non-empty name without '/'")
+    if workers < 1:
+        raise FleetError(f"--workers must be >= 1, got {workers}")
+    if fleet_workers(fleet):
+        raise FleetError(f"a dpex fleet named {fleet!r} is running already; stop it first "
+                         f"(dpex fleet stop --name {fleet})")
+    options = {"num_cpus": cpus_per_worker, "resources": dict(resources or {})}
+    try:
+        check_placeable(options, workers)
+    except WorkerStartupError as exc:
+        raise FleetError(str(exc).replace("ray_remote_args['num_cpus']",
+                                          "--cpus-per-worker or --resources")) from None
+    cls = ray.remote(DpexWorker)
+    actors = [cls.options(name=_name(fleet, i), namespace=NAMESPACE, lifetime="detached",
+                          max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD",
+                          **options).remote(session_timeout=session_timeout)
+              for i in range(workers)]
+    pending = {a.fleet_stats.remote(): i for i, a in enumerate(actors)}
+    infos: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while pending:
+            left = deadline - time.monotonic()
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, left))
+            if not done:
+                raise FleetError(
+                    f"only {len(infos)} of {workers} workers of fleet {fleet!r} started within "
+                    f"{timeout:g} s: the cluster could not place the rest (each asks for "
+                    f"{options}; free now: {ray.available_resources()})")
+            i = pending.pop(done[0])
+            infos[i] = ray.get(done[0])
+            progress(f"{len(infos)}/{workers} workers up (worker {i} on node "
+                     f"{infos[i]['node_ip']}, pid {infos[i]['pid']})")
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        raise
+    return [infos[i] for i in range(workers)]
+
+
+def fleet_status(fleet: str, interval: float = 1.0) -> list[dict]:
+    """One row per worker: index, node, state, sessions, batches, bytes, batches/s
+    (over ``interval`` seconds). Raises :class:`FleetError` if there is no such fleet."""
+    actors = fleet_workers(fleet)
+    if not actors:
+        raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster")
+    first = _sample(actors)
+    time.sleep(interval)
+    second = _sample(actors)
+    rows = []
+    for i, _ in actors:
+        a, b = first.get(i), second.get(i)
+        if b is None:
+            rows.append({"worker": i, "state": "not responding (restarting?)"})
+            continue
+        rate = (b["batches_sent"] - a["batches_sent"]) / interval if a else None
+        rows.append({"worker": i, "state": "alive", "batches_per_s": rate, **b})
+    return rows
+
+
+def _sample(actors: list[tuple[int, Any]]) -> dict[int, dict]:
+    refs = {a.fleet_stats.remote(): i for i, a in actors}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_CALL_TIMEOUT_S)
+    out = {}
+    for ref in done:
+        try:
+            out[refs[ref]] = ray.get(ref)
+        except ray.exceptions.RayError:
+            pass  # died or restarting: reported as not responding
+    return out
+
+
+def stop_fleet(fleet: str) -> int:
+    """Kill the fleet's workers (their sessions' trainers see them die); return how many."""
+    actors = fleet_workers(fleet)
+    if not actors:
+        raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster")
+    for _, actor in actors:
+        ray.kill(actor, no_restart=True)
+    return len(actors)
+
+
+def choose_workers(fleet: str, n: int) -> list[Any]:
+    """Handles of the fleet workers that ``n`` logical workers run on: the least busy
+    first (ties at random), reused in turn when ``n`` exceeds the fleet. Raises
+    :class:`FleetError` when there is no such fleet or its dpex or Python differs."""
+    actors = fleet_workers(fleet)
+    if not actors:
+        raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster: start one with "
+                         f"`dpex fleet start --name {fleet} --workers N`")
+    stats = _sample(actors)
+    if not stats:
+        raise FleetError(f"no worker of fleet {fleet!r} answered within {_CALL_TIMEOUT_S:g} s")
+    ours = local_versions()
+    for i, info in stats.items():
+        if info.get("versions") != ours:
+            raise FleetError(
+                f"fleet {fleet!r} worker {i} (node {info.get('node_ip')}) runs "
+                f"{info.get('versions')}, but this trainer runs {ours}: restart the fleet "
+                "with the trainer's dpex and Python")
+    handles = dict(actors)
+    order = sorted(stats, key=lambda i: (stats[i]["sessions_active"], random.random()))
+    return [handles[order[k % len(order)]] for k in range(n)]

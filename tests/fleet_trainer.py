@@ -1,0 +1,62 @@
+"""A trainer attached to a fleet (run by tests/test_fleet.py in its own process).
+
+Reads --epochs epochs of a dataset through DpexDataLoader(worker_pool=...) and
+through torch's DataLoader with the same arguments, checks they are identical,
+and prints one JSON line: {"ok": true, "stats": ...}. --kill-after N kills the
+process of this loader's worker 1 after N batches of the first epoch; --stall
+stops reading after 3 batches and sleeps (to be killed).
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import cloudpickle
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dsets  # noqa: E402
+
+from dpex import DpexDataLoader  # noqa: E402
+
+cloudpickle.register_pickle_by_value(dsets)
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--address", required=True)
+    p.add_argument("--fleet", required=True)
+    p.add_argument("--dataset", choices=["probe", "squares"], default="probe")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--kill-after", type=int, default=None)
+    p.add_argument("--stall", action="store_true")
+    args = p.parse_args()
+
+    dataset = dsets.SeedProbe() if args.dataset == "probe" else dsets.Squares(160, max_sleep=0.01)
+    kw = {"batch_size": 4, "num_workers": 2, "shuffle": True, "persistent_workers": True}
+    expected = dsets.epochs(dsets.torch_loader(dataset, generator=torch.Generator().manual_seed(7),
+                                               **kw), args.epochs)
+    loader = DpexDataLoader(dataset, generator=torch.Generator().manual_seed(7),
+                            distribute_mode=True, head_address=args.address,
+                            worker_pool=args.fleet, **kw)
+    with loader:
+        for epoch, want in enumerate(expected):
+            got = []
+            for batch in loader:
+                got.append(batch)
+                if args.stall and len(got) == 3:
+                    print("STALLED", json.dumps(loader.stats()["workers"]), flush=True)
+                    time.sleep(600)
+                if epoch == 0 and len(got) == args.kill_after:
+                    os.kill(loader.stats()["workers"][1]["pid"], signal.SIGKILL)
+            assert len(got) == len(want), (len(got), len(want))
+            for g, w in zip(got, want, strict=True):
+                dsets.assert_same(g, w)
+        stats = loader.stats()
+    print(json.dumps({"ok": True, "stats": stats}), flush=True)
+
+
+if __name__ == "__main__":  # torch's forkserver workers import this file
+    main()

@@ -1,0 +1,127 @@
+"""Standalone fleets: `dpex fleet start | status | stop` on a `ray start` cluster, and
+trainers (separate processes) attaching with worker_pool=NAME."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import dsets
+import pytest
+import raycluster
+
+from dpex import DpexDataLoader, FleetError
+
+pytestmark = pytest.mark.timeout(300)
+TRAINER = os.path.join(raycluster.HERE, "fleet_trainer.py")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with raycluster.ray_head(num_cpus=4) as head:
+        yield head
+
+
+def dpex_fleet(cluster, *args, check=True):
+    address, env = cluster
+    return raycluster.run([sys.executable, "-m", "dpex.cli", "fleet", *args,
+                           "--address", address], env, check=check)
+
+
+def trainer(cluster, fleet, *args):
+    address, env = cluster
+    return subprocess.Popen([sys.executable, TRAINER, "--address", address, "--fleet", fleet,
+                             *args], env=env, cwd=raycluster.ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def result(proc, timeout=180):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def status_rows(cluster, name):
+    out = dpex_fleet(cluster, "status", "--name", name).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines()[2:]]
+    return [[c.strip() for c in r] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster):
+    out = dpex_fleet(cluster, "start", "--name", "prep", "--workers", "3",
+                     "--session-timeout", "3").stdout
+    assert "3/3 workers up" in out and "worker_pool='prep'" in out
+    yield "prep"
+    dpex_fleet(cluster, "stop", "--name", "prep", check=False)
+
+
+def test_two_trainers_at_once_get_exactly_torchs_batches(cluster, fleet):
+    procs = [trainer(cluster, fleet) for _ in range(2)]
+    stats = [result(p)["stats"] for p in procs]
+    for s in stats:  # 2 epochs of SeedProbe: seeds and worker info as torch's own workers
+        assert s["received"] == 12 and s["recoveries"] == []
+    rows = status_rows(cluster, fleet)
+    assert len(rows) == 3 and all(r[3] == "alive" for r in rows)
+    assert sum(int(r[5]) for r in rows) >= 4  # sessions served: 2 trainers × 2 workers
+    assert sum(int(r[6]) for r in rows) == 24  # batches
+    assert all(r[4] == "0" for r in rows)  # no session left open
+
+
+def test_a_killed_fleet_worker_is_replaced_and_the_epoch_is_exact(cluster, fleet):
+    out = result(trainer(cluster, fleet, "--dataset", "squares", "--kill-after", "5"))
+    assert [r["worker"] for r in out["stats"]["recoveries"]] == [1]
+    deadline = time.monotonic() + 60  # Ray restarts the killed fleet worker
+    while time.monotonic() < deadline:
+        rows = status_rows(cluster, fleet)
+        if all(r[3] == "alive" for r in rows):
+            break
+    assert len(rows) == 3 and all(r[3] == "alive" for r in rows), rows
+
+
+def test_a_vanished_trainer_frees_its_sessions(cluster, fleet):
+    proc = trainer(cluster, fleet, "--stall")
+    line = ""
+    deadline = time.monotonic() + 120
+    while not line.startswith("STALLED") and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+    assert line.startswith("STALLED"), proc.stderr.read()[-3000:]
+    assert sum(int(r[4]) for r in status_rows(cluster, fleet)) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 30  # the session timeout is 3 s
+    while sum(int(r[4]) for r in status_rows(cluster, fleet)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sum(int(r[4]) for r in status_rows(cluster, fleet)) == 0
+
+
+def test_a_fleet_the_cluster_cannot_place_fails_and_leaves_nothing(cluster, fleet):
+    proc = dpex_fleet(cluster, "start", "--name", "huge", "--workers", "2",
+                      "--cpus-per-worker", "64", check=False)
+    assert proc.returncode == 1 and "cannot place 2 dpex workers" in proc.stderr
+    proc = dpex_fleet(cluster, "status", "--name", "huge", check=False)
+    assert proc.returncode == 1 and "no dpex fleet named 'huge'" in proc.stderr
+    proc = dpex_fleet(cluster, "start", "--name", fleet, "--workers", "1", check=False)
+    assert proc.returncode == 1 and "is running already" in proc.stderr
+
+
+def test_stop_ends_the_fleet(cluster, fleet):  # last of the fleet's tests
+    out = dpex_fleet(cluster, "stop", "--name", fleet).stdout
+    assert f"stopped 3 workers of fleet '{fleet}'" in out
+    assert dpex_fleet(cluster, "status", "--name", fleet, check=False).returncode == 1
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_an_unknown_fleet_is_a_clear_error():
+    loader = DpexDataLoader(dsets.Squares(8), batch_size=2, num_workers=2,
+                            distribute_mode=True, worker_pool="nowhere")
+    with pytest.raises(FleetError, match="no dpex fleet named 'nowhere'.*dpex fleet start"):
+        iter(loader)
+
+
+def test_worker_pool_and_ray_remote_args_do_not_mix():
+    with pytest.raises(ValueError, match="ray_remote_args has no effect with worker_pool"):
+        DpexDataLoader(dsets.Squares(8), distribute_mode=True, worker_pool="prep",
+                       ray_remote_args={"num_cpus": 2})
