@@ -134,3 +134,21 @@ def node_address() -> str:
     if all(node["NodeID"] == me for node in ray.nodes() if node.get("Alive")):
         return "127.0.0.1"
     return ray.util.get_node_ip_address()
+
+
+PORT_RANGE_ENV = "DPEX_PORT_RANGE"
+
+
+def port_range() -> tuple[int, int]:
+    """The ports a trainer may bind its sockets on: ``$DPEX_PORT_RANGE`` ("min-max",
+    for firewalls; both ends included), else 49152-65535. Two ports per iterator."""
+    value = os.environ.get(PORT_RANGE_ENV)
+    if not value:
+        return 49152, 65535
+    try:
+        low, high = (int(part) for part in value.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORT_RANGE_ENV}={value!r}: expected MIN-MAX, e.g. 50000-50100") from None
+    if not 1024 <= low < high <= 65535:
+        raise ValueError(f"{PORT_RANGE_ENV}={value!r}: need 1024 <= MIN < MAX <= 65535")
+    return low, high

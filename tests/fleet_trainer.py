@@ -2,7 +2,8 @@
 
 Reads --epochs epochs of a dataset through DpexDataLoader(worker_pool=...) and
 through torch's DataLoader with the same arguments, checks they are identical,
-and prints one JSON line: {"ok": true, "stats": ...}. --kill-after N kills the
+and prints one JSON line: {"ok": true, "stats": ...}. --cut-link takes a network
+link down mid-epoch (tests/test_multihost.py). --kill-after N kills the
 process of this loader's worker 1 after N batches of the first epoch; --stall
 stops reading after 3 batches and sleeps (to be killed).
 """
@@ -11,7 +12,9 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 
 import cloudpickle
@@ -28,34 +31,45 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--address", required=True)
     p.add_argument("--fleet", required=True)
-    p.add_argument("--dataset", choices=["probe", "squares"], default="probe")
+    p.add_argument("--dataset", choices=["probe", "squares", "images"], default="probe")
+    p.add_argument("--cut-link", default=None,
+                   help="VETH:AFTER:SECONDS: after AFTER batches, take VETH down for SECONDS")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill-after", type=int, default=None)
     p.add_argument("--stall", action="store_true")
     args = p.parse_args()
 
-    dataset = dsets.SeedProbe() if args.dataset == "probe" else dsets.Squares(160, max_sleep=0.01)
+    dataset = {"probe": dsets.SeedProbe, "images": lambda: dsets.Images(48),
+               "squares": lambda: dsets.Squares(160, max_sleep=0.01)}[args.dataset]()
     kw = {"batch_size": 4, "num_workers": 2, "shuffle": True, "persistent_workers": True}
     expected = dsets.epochs(dsets.torch_loader(dataset, generator=torch.Generator().manual_seed(7),
                                                **kw), args.epochs)
     loader = DpexDataLoader(dataset, generator=torch.Generator().manual_seed(7),
                             distribute_mode=True, head_address=args.address,
                             worker_pool=args.fleet, **kw)
+    epoch_s = []
     with loader:
         for epoch, want in enumerate(expected):
-            got = []
+            got, t0 = [], time.monotonic()
             for batch in loader:
                 got.append(batch)
                 if args.stall and len(got) == 3:
                     print("STALLED", json.dumps(loader.stats()["workers"]), flush=True)
                     time.sleep(600)
+                if epoch == 0 and args.cut_link and len(got) == int(args.cut_link.split(":")[1]):
+                    veth, _, seconds = args.cut_link.split(":")
+                    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+                    threading.Timer(float(seconds), subprocess.run,
+                                    (["ip", "link", "set", veth, "up"],)).start()
+                    print("CUT", flush=True)
                 if epoch == 0 and len(got) == args.kill_after:
                     os.kill(loader.stats()["workers"][1]["pid"], signal.SIGKILL)
+            epoch_s.append(time.monotonic() - t0)
             assert len(got) == len(want), (len(got), len(want))
             for g, w in zip(got, want, strict=True):
                 dsets.assert_same(g, w)
         stats = loader.stats()
-    print(json.dumps({"ok": True, "stats": stats}), flush=True)
+    print(json.dumps({"ok": True, "stats": stats, "epoch_s": epoch_s}), flush=True)
 
 
 if __name__ == "__main__":  # torch's forkserver workers import this file

@@ -81,7 +81,7 @@ def test_a_killed_fleet_worker_is_replaced_and_the_epoch_is_exact(cluster, fleet
     assert len(rows) == 3 and all(r[3] == "alive" for r in rows), rows
 
 
-def test_a_vanished_trainer_frees_its_sessions(cluster, fleet):
+def test_a_stalled_trainer_blocks_no_one_and_when_it_vanishes_its_sessions_go(cluster, fleet):
     proc = trainer(cluster, fleet, "--stall")
     line = ""
     deadline = time.monotonic() + 120
@@ -89,6 +89,9 @@ def test_a_vanished_trainer_frees_its_sessions(cluster, fleet):
         line = proc.stdout.readline()
     assert line.startswith("STALLED"), proc.stderr.read()[-3000:]
     assert sum(int(r[4]) for r in status_rows(cluster, fleet)) == 2
+    # A stalled session blocks nobody: another trainer, sharing a fleet worker with it
+    # (3 workers, 4 sessions), gets its whole epochs meanwhile.
+    assert result(trainer(cluster, fleet))["stats"]["received"] == 12
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     deadline = time.monotonic() + 30  # the session timeout is 3 s
@@ -125,3 +128,20 @@ def test_worker_pool_and_ray_remote_args_do_not_mix():
     with pytest.raises(ValueError, match="ray_remote_args has no effect with worker_pool"):
         DpexDataLoader(dsets.Squares(8), distribute_mode=True, worker_pool="prep",
                        ray_remote_args={"num_cpus": 2})
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_fleet_running_another_dpex_is_refused_at_attach(monkeypatch):
+    from dpex import _fleet
+
+    _fleet.start_fleet("elsewhere", 1, progress=lambda line: None)
+    try:
+        monkeypatch.setattr(_fleet, "local_versions",
+                            lambda: {"dpex": "9.9", "protocol": 99, "python": "3.99"})
+        loader = DpexDataLoader(dsets.Squares(8), batch_size=2, num_workers=2,
+                                distribute_mode=True, worker_pool="elsewhere")
+        with pytest.raises(FleetError, match=r"fleet 'elsewhere' worker 0 .* runs .*'dpex': "
+                                             r"'0\.1\.0'.* this trainer runs .*'9\.9'"):
+            iter(loader)
+    finally:
+        assert _fleet.stop_fleet("elsewhere") == 1

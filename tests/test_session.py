@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Message, Wire, worker_identity
+from dpex._ray_connect import port_range
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
 
@@ -214,3 +215,20 @@ def test_exception_in_a_scheduled_call_reaches_on_error():
         assert lt.running
     finally:
         lt.stop()
+
+
+def test_sockets_bind_inside_dpex_port_range(monkeypatch):
+    monkeypatch.setenv("DPEX_PORT_RANGE", "50100-50120")
+    lt = LoopThread("dpex-test-loop")
+    lt.start()
+    sess = TrainerSession(Wire.new(), "127.0.0.1", queue.SimpleQueue())
+    try:
+        lt.run(sess.open(), timeout=5)
+        ports = [int(a.rsplit(":", 1)[1]) for a in (sess.data_address, sess.control_address)]
+        assert all(50100 <= p <= 50120 for p in ports), ports
+    finally:
+        lt.stop(cleanup=sess.close)
+    for bad in ("5-3", "50100", "a-b", "80-90"):
+        monkeypatch.setenv("DPEX_PORT_RANGE", bad)
+        with pytest.raises(ValueError, match="DPEX_PORT_RANGE"):
+            port_range()

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
+from dpex._ray_connect import port_range
 from dpex._shm import RingRef, TrainerRing
 from dpex.client._events import LoopFailure, WorkerHello
 from dpex.errors import ProtocolError
@@ -63,9 +64,10 @@ class TrainerSession:
         # Control traffic is bounded by the credit window, so no high-water mark can be hit
         # and a send never fails with EAGAIN (which would lose a task).
         self._ctrl.setsockopt(zmq.SNDHWM, 0)
-        port = self._data.bind_to_random_port(f"tcp://{self.host}")
+        low, high = port_range()
+        port = self._data.bind_to_random_port(f"tcp://{self.host}", low, high + 1)
         self.data_address = f"tcp://{self.host}:{port}"
-        port = self._ctrl.bind_to_random_port(f"tcp://{self.host}")
+        port = self._ctrl.bind_to_random_port(f"tcp://{self.host}", low, high + 1)
         self.control_address = f"tcp://{self.host}:{port}"
         self._tasks = [
             asyncio.ensure_future(self._guard(self._receive_data())),
