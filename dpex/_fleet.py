@@ -29,6 +29,7 @@ __all__ = ["NAMESPACE", "FleetError", "start_fleet", "fleet_status", "stop_fleet
 
 NAMESPACE = "dpex"
 _CALL_TIMEOUT_S = 10.0
+_STRAGGLER_S = 1.0
 
 
 def _name(fleet: str, index: int) -> str:
@@ -114,8 +115,14 @@ def fleet_status(fleet: str, interval: float = 1.0) -> list[dict]:
 
 
 def _sample(actors: list[tuple[int, Any]]) -> dict[int, dict]:
+    """``fleet_stats`` of the workers that answer: the first within ``_CALL_TIMEOUT_S``,
+    the rest within a second more (a dead or restarting worker must not hold up the
+    choice of a replacement for long)."""
     refs = {a.fleet_stats.remote(): i for i, a in actors}
-    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_CALL_TIMEOUT_S)
+    first, rest = ray.wait(list(refs), num_returns=1, timeout=_CALL_TIMEOUT_S)
+    done = list(first)
+    if first and rest:
+        done += ray.wait(rest, num_returns=len(rest), timeout=_STRAGGLER_S)[0]
     out = {}
     for ref in done:
         try:

@@ -24,10 +24,12 @@ def cluster():
         yield head
 
 
-def dpex_fleet(cluster, *args, check=True):
+DPEX = os.path.join(raycluster.BIN, "dpex")  # the console script a fresh install puts there
+
+
+def dpex_fleet(cluster, *args, check=True, via=(DPEX, "fleet")):
     address, env = cluster
-    return raycluster.run([sys.executable, "-m", "dpex.cli", "fleet", *args,
-                           "--address", address], env, check=check)
+    return raycluster.run([*via, *args, "--address", address], env, check=check)
 
 
 def trainer(cluster, fleet, *args):
@@ -104,7 +106,8 @@ def test_a_fleet_the_cluster_cannot_place_fails_and_leaves_nothing(cluster, flee
     proc = dpex_fleet(cluster, "start", "--name", "huge", "--workers", "2",
                       "--cpus-per-worker", "64", check=False)
     assert proc.returncode == 1 and "cannot place 2 dpex workers" in proc.stderr
-    proc = dpex_fleet(cluster, "status", "--name", "huge", check=False)
+    proc = dpex_fleet(cluster, "status", "--name", "huge", check=False,
+                      via=(os.path.join(raycluster.ROOT, "scripts", "dpex-fleet"),))
     assert proc.returncode == 1 and "no dpex fleet named 'huge'" in proc.stderr
     proc = dpex_fleet(cluster, "start", "--name", fleet, "--workers", "1", check=False)
     assert proc.returncode == 1 and "is running already" in proc.stderr
