@@ -89,13 +89,14 @@ class DpexWorker:
         for session in list(self._sessions):
             session.stop.set()
 
-    def _count(self, batches: int, nbytes: int) -> None:
+    def _count(self, nbytes: int) -> None:
         with self._lock:
-            self._counters["batches_sent"] += batches
+            self._counters["batches_sent"] += 1
             self._counters["bytes_sent"] += nbytes
 
-    async def serve(self, spec: WorkerSpec, shipped: bytes) -> dict:
-        """Serve one session until STOP; returns counters. Raises if set-up fails.
+    async def serve(self, spec: WorkerSpec, shipped: bytes) -> None:
+        """Serve one session until STOP, cancellation or silence. Raises if set-up fails
+        (the worker's traffic is counted in ``fleet_stats``).
 
         This (asyncio) thread owns the control socket and feeds tasks to one compute
         thread, which owns the data socket and does fetch → collate → encode → send
@@ -135,7 +136,7 @@ class DpexWorker:
                 if reader.done():
                     reader.result()  # re-raise what ended the reader
                 if done.done():
-                    return done.result()  # re-raise what ended the compute thread
+                    done.result()  # re-raise what ended the compute thread
             finally:
                 reader.cancel()
                 stopper.cancel()
@@ -149,10 +150,6 @@ class DpexWorker:
             ctx.term()
             if ring is not None and not compute.is_alive():
                 ring.close()
-        await asyncio.sleep(0)  # let the compute thread's outcome land
-        if done.done() and done.exception() is None:
-            return done.result()
-        return {"sent": None}
 
     def _compute(self, spec: WorkerSpec, shipped: bytes, ring: WorkerRing | None,
                  inbox: queue.SimpleQueue, halt: threading.Event,
@@ -164,7 +161,6 @@ class DpexWorker:
         data.setsockopt(zmq.LINGER, 0)
         data.setsockopt(zmq.SNDTIMEO, 500)  # so a send never outlives ``halt`` for long
         data.connect(spec.data_address)
-        sent = 0
         try:
             node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
             state = WorkerState(spec, shipped, node, ring)
@@ -188,12 +184,11 @@ class DpexWorker:
                 while not halt.is_set():
                     try:
                         data.send_multipart(frames, copy=False)
-                        sent += 1
-                        self._count(1, sum(memoryview(f).nbytes for f in frames))
+                        self._count(sum(memoryview(f).nbytes for f in frames))
                         break
                     except zmq.Again:
                         continue
-            outcome: tuple = (done.set_result, {"sent": sent})
+            outcome: tuple = (done.set_result, None)
         except BaseException as exc:
             outcome = (done.set_exception, exc)
         finally:
