@@ -10,8 +10,11 @@ from dpex.dataloader import DpexDataLoader
 from dpex.errors import (
     BatchTooLargeError,
     DatasetNotPicklableError,
+    DpexDroppedWarning,
     DpexError,
+    DpexWarning,
     FleetError,
+    PlacementWarning,
     ProtocolError,
     RayConnectionError,
     WorkerDiedError,
@@ -29,5 +32,8 @@ __all__ = [
     "BatchTooLargeError",
     "FleetError",
     "ProtocolError",
+    "DpexWarning",
+    "PlacementWarning",
+    "DpexDroppedWarning",
     "__version__",
 ]

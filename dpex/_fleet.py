@@ -20,7 +20,8 @@ from typing import Any
 import ray
 
 from dpex._version import local_versions
-from dpex.client._workers import check_placeable
+from dpex.client._placement import reserves
+from dpex.client._workers import check_placeable, choose_nodes, on_node
 from dpex.errors import FleetError, WorkerStartupError
 from dpex.server._actor import DpexWorker
 
@@ -52,7 +53,13 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
                 timeout: float = 120.0, progress: Callable[[str], None] = print) -> list[dict]:
     """Start ``workers`` detached workers named ``fleet/i``; return their stats once
     all are up. Raises :class:`FleetError` (and leaves nothing behind) when the
-    fleet exists already or the cluster cannot place every worker in ``timeout``."""
+    fleet exists already or the cluster cannot place every worker in ``timeout``.
+
+    Each worker reserves ``cpus_per_worker`` CPUs and ``resources``, and Ray spreads
+    them over the nodes where those are free and restarts a dead one wherever they are
+    free. With nothing reserved (``cpus_per_worker=0``) dpex spreads them over the
+    CPU nodes in proportion to their CPUs, as a loader's own workers, and a worker
+    restarts on its node (so one whose node is lost is not moved)."""
     if not fleet or "/" in fleet:
         raise FleetError(f"fleet name {fleet!r}: give a non-empty name without '/'")
     if workers < 1:
@@ -64,13 +71,17 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
     try:
         check_placeable(options, workers)
     except WorkerStartupError as exc:
-        raise FleetError(str(exc).replace("ray_remote_args['num_cpus']",
-                                          "--cpus-per-worker or --resources")) from None
+        raise FleetError(str(exc).replace("ray_remote_args", "--cpus-per-worker and --resources")
+                         .replace("without num_cpus", "with --cpus-per-worker 0")) from None
+    if reserves(options):
+        strategies: list[Any] = ["SPREAD"] * workers
+    else:
+        strategies = [on_node(node) if node else "DEFAULT" for node in choose_nodes(workers)]
     cls = ray.remote(DpexWorker)
     actors = [cls.options(name=_name(fleet, i), namespace=NAMESPACE, lifetime="detached",
-                          max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD",
+                          max_restarts=-1, max_task_retries=0, scheduling_strategy=strategy,
                           **options).remote(session_timeout=session_timeout)
-              for i in range(workers)]
+              for i, strategy in enumerate(strategies)]
     pending = {a.fleet_stats.remote(): i for i, a in enumerate(actors)}
     infos: dict[int, dict] = {}
     deadline = time.monotonic() + timeout

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import threading
-import time
 import urllib.parse
 
 import ray
-
-try:
-    import fcntl
-except ImportError:  # Windows: no file locks here; each process decides alone
-    fcntl = None
 
 from dpex.errors import RayConnectionError
 
@@ -22,7 +15,6 @@ __all__ = ["connect_ray", "node_address"]
 
 _lock = threading.Lock()
 _REACH_TIMEOUT_S = 10.0
-_START_LOCK_TIMEOUT_S = 120.0
 
 
 def _check_reachable(address: str, named: str) -> None:
@@ -45,9 +37,9 @@ def connect_ray(head_address: str = "auto") -> None:
 
     Reuses an existing connection (``ray.is_initialized()``). ``"auto"`` joins the
     cluster named by ``$RAY_ADDRESS`` (which must then be reachable), else a cluster
-    started on this machine with ``ray start``, else starts a local Ray instance (the
-    embedded default). Any other address must be reachable, or
-    :class:`~dpex.errors.RayConnectionError` names it.
+    started on this machine with ``ray start``, else starts a Ray instance of this
+    process's own (the embedded default, see :func:`_start_embedded`). Any other
+    address must be reachable, or :class:`~dpex.errors.RayConnectionError` names it.
     """
     with _lock:
         if ray.is_initialized():
@@ -58,49 +50,49 @@ def connect_ray(head_address: str = "auto") -> None:
                 # The user named a cluster: join it or say why, never start another.
                 _join(explicit, f"RAY_ADDRESS={explicit!r}")
                 return
-            _start_or_join_local()
+            started = _started_cluster()
+            if started is not None:
+                _join(started, f"the cluster that `ray start` runs on this machine ({started})")
+                return
+            _start_embedded()
             return
         _join(head_address, f"head_address={head_address!r}")
 
 
-def _start_or_join_local() -> None:
-    """Join a cluster running on this machine, else start the embedded local instance.
+def _started_cluster() -> str | None:
+    """The address of a live cluster that ``ray start`` runs on this machine, if any.
 
-    Processes that start together (the ranks of ``torchrun`` or ``mp.spawn``) take
-    turns under a file lock: the first starts Ray, the others find it with
-    ``address="auto"`` and join it, so one machine never runs two local instances.
-    The instance lives as long as the process that started it.
+    Only ``ray start`` records its cluster (in Ray's ``ray_current_cluster`` file); a
+    Ray instance that another script started with ``ray.init()`` is not recorded, and
+    joining it would tie this process's workers to that script's lifetime.
     """
-    if fcntl is None:
-        _auto_or_start()
-        return
-    path = os.path.join(tempfile.gettempdir(), f"dpex-ray-start-{os.getuid()}.lock")
-    with open(path, "a") as lock:
-        deadline = time.monotonic() + _START_LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RayConnectionError(
-                        f"another process held {path} for {_START_LOCK_TIMEOUT_S:g} s while "
-                        "starting Ray; start a cluster with `ray start --head` instead"
-                    ) from None
-                time.sleep(0.05)
-        try:
-            _auto_or_start()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _auto_or_start() -> None:
     try:
-        ray.init(address="auto")
-        return
-    except ConnectionError:
-        pass  # no running cluster: the embedded default below
-    ray.init(include_dashboard=False)
+        from ray._private.services import find_bootstrap_address
+    except ImportError:  # a Ray that moved it: no shared cluster is found, never a wrong one
+        return None
+    try:
+        address = find_bootstrap_address(None)
+    except OSError:
+        return None
+    if not address:
+        return None
+    try:
+        _check_reachable(address, address)
+    except RayConnectionError:
+        return None  # stale: that cluster was stopped without `ray stop`
+    return address
+
+
+def _start_embedded() -> None:
+    """Start a Ray instance that belongs to this process alone (the embedded default).
+
+    No other process joins it (``ray start`` alone records a cluster for others to
+    find) and it ends with this process. So ranks that start together (``torchrun``,
+    ``mp.spawn``) or a second script each get their own, and one that exits early
+    takes no one else's workers with it. Workers reserve no CPUs by default, so the
+    instance's size never limits them.
+    """
+    ray.init(address="local", include_dashboard=False)
 
 
 def _join(address: str, named: str) -> None:

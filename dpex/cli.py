@@ -33,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="Ray cluster to join (default: RAY_ADDRESS, else the running one)")
         if name == "start":
             a.add_argument("--workers", type=int, required=True)
-            a.add_argument("--cpus-per-worker", type=float, default=1.0)
+            a.add_argument("--cpus-per-worker", type=float, default=1.0,
+                           help="CPUs each worker reserves in Ray (default 1); 0 reserves "
+                                "none and dpex spreads the workers over the CPU nodes")
             a.add_argument("--resources", type=json.loads, default=None,
                            help='custom Ray resources per worker, as JSON: \'{"cpu_node": 1}\'')
             a.add_argument("--session-timeout", type=float, default=30.0,
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "start":
             print(f"starting fleet {args.name!r}: {args.workers} workers, "
-                  f"{args.cpus_per_worker:g} CPU each", flush=True)
+                  f"each reserving {args.cpus_per_worker:g} CPU", flush=True)
             start_fleet(args.name, args.workers, args.cpus_per_worker, args.resources,
                         args.session_timeout, args.timeout,
                         progress=lambda line: print(line, flush=True))

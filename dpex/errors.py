@@ -12,6 +12,14 @@
      └── ProtocolError           a message failed validation (counted and dropped, never raised
                                  to the training loop)
 
+Warnings::
+
+    DpexWarning (UserWarning)
+     ├── PlacementWarning        workers wait for resources they reserve and that are not
+     │                           free now (named, with who holds them)
+     └── DpexDroppedWarning      a framework is about to rebuild a DpexDataLoader as a
+                                 plain torch DataLoader, so dpex's workers are not used
+
 Exceptions raised by user code inside a worker (``__getitem__``, ``collate_fn``,
 ``worker_init_fn`` ...) are re-raised in the training loop with torch's own rules
 (``torch._utils.ExceptionWrapper``): same type, message starting with
@@ -29,6 +37,9 @@ __all__ = [
     "BatchTooLargeError",
     "FleetError",
     "ProtocolError",
+    "DpexWarning",
+    "PlacementWarning",
+    "DpexDroppedWarning",
 ]
 
 
@@ -66,3 +77,15 @@ class ProtocolError(DpexError):
 
 class FleetError(DpexError):
     """A worker fleet cannot be started, found or used; the message says why."""
+
+
+class DpexWarning(UserWarning):
+    """Base class of every warning dpex gives."""
+
+
+class PlacementWarning(DpexWarning):
+    """Workers wait for resources they reserve (``ray_remote_args``) that are not free."""
+
+
+class DpexDroppedWarning(DpexWarning):
+    """A framework rebuilds a DpexDataLoader as a plain DataLoader: dpex is not used."""

@@ -139,8 +139,9 @@ def example_args(description: str):
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--worker-cpus", type=float, default=1.0,
-                   help="CPUs each Ray worker reserves (ray_remote_args['num_cpus'])")
+    p.add_argument("--worker-cpus", type=float, default=0.0,
+                   help="CPUs each Ray worker reserves (ray_remote_args['num_cpus']; "
+                        "default 0: none, as torch's workers)")
     p.add_argument("--head-address", default="auto", help="Ray cluster to join")
     p.add_argument("--torch-loader", action="store_true",
                    help="distribute_mode=False: torch's own worker processes")

@@ -63,7 +63,6 @@ def make_loader(train, args, distribute_mode: bool, head_address: str, sampler=N
         multiprocessing_context="forkserver",
         generator=torch.Generator().manual_seed(0) if sampler is None else None,
         distribute_mode=distribute_mode, head_address=head_address,
-        ray_remote_args={"num_cpus": 0.5},
     )
 
 
@@ -220,8 +219,11 @@ def main() -> None:
     args = parse_args()
     import ray
 
-    # One cluster for the whole run: the DDP ranks join it by address.
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    from dpex._ray_connect import connect_ray
+
+    # One Ray instance for the whole run, started as dpex starts it; the DDP ranks join
+    # it by address.
+    connect_ray("auto")
     head_address = ray.get_runtime_context().gcs_address
     results = {}
     try:

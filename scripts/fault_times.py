@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dpex import DpexDataLoader
+from dpex._ray_connect import connect_ray
 
 
 class Items(Dataset):
@@ -68,7 +69,7 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=0.005)
     p.add_argument("--kill-after", type=int, default=10)
     args = p.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    connect_ray("auto")  # as a user's first loader does
     rows = []
     try:
         for i in range(args.trials):

@@ -116,7 +116,7 @@ def two_hosts(node_cpus: int = 2) -> Iterator[Cluster]:
         common = ["--block", "--disable-usage-stats"]
         head = subprocess.Popen(
             cluster.cmd(head_ns, os.path.join(BIN, "ray"), "start", "--head",
-                        f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=1",
+                        f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=0",
                         "--include-dashboard=false", f"--temp-dir={temp}/head", *common),
             env=env, start_new_session=True, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)

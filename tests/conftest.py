@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray instance per test session, on loopback."""
+"""Shared fixtures: one Ray instance per test session, started the way dpex starts it
+for a user (the embedded default: this machine's cores, nothing special)."""
 
 import os
 import sys
@@ -17,20 +18,20 @@ cloudpickle.register_pickle_by_value(dsets)
 def ray_session():
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=8, _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False)
+    from dpex._ray_connect import connect_ray
+
+    connect_ray("auto")  # what a user's first DpexDataLoader iterator does
     yield ray
     ray.shutdown()
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_actors(request):
-    """A test that uses Ray must give back every CPU its actors held (STYLE: leaks fail)."""
+    """A test that uses Ray must stop every worker it started (STYLE: leaks fail)."""
     yield
     if "ray_session" not in request.fixturenames:
         return
     import gc
 
     gc.collect()  # iterators kept alive only by reference cycles (tracebacks) go now
-    dsets.wait_cluster_idle(limit=10.0)
+    dsets.wait_no_workers(limit=10.0)

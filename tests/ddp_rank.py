@@ -22,7 +22,7 @@ cloudpickle.register_pickle_by_value(dsets)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
-parser.add_argument("--head", required=True)
+parser.add_argument("--head", default="auto")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")

@@ -215,16 +215,26 @@ def epochs(loader, n: int = 1) -> list[list]:
     return [list(loader) for _ in range(n)]
 
 
-def wait_cluster_idle(limit: float = 30.0) -> None:
-    """Wait until every CPU of the (shared) Ray cluster is free: actors killed by
-    earlier tests give their resources back asynchronously."""
+def live_workers() -> list[dict]:
+    """The dpex worker actors of the Ray cluster that are not dead yet."""
     import ray
 
+    table = ray._private.state.state.actor_table(None)
+    return [info for info in table.values()
+            if info.get("ActorClassName") == "DpexWorker" and info.get("State") != "DEAD"]
+
+
+def wait_no_workers(limit: float = 30.0) -> None:
+    """Wait until no dpex worker actor is alive and no worker group of this process is
+    live: actors killed by earlier tests die asynchronously."""
+    from dpex.client._workers import LIVE_GROUPS
+
     deadline = time.monotonic() + limit
-    total = ray.cluster_resources().get("CPU", 0)
-    while ray.available_resources().get("CPU", 0) < total:
+    while live_workers() or len(LIVE_GROUPS):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"Ray CPUs still busy after {limit} s: {ray.available_resources()}")
+            raise TimeoutError(f"dpex workers still alive after {limit} s: "
+                               f"{[w.get('Pid') for w in live_workers()]}, "
+                               f"{len(LIVE_GROUPS)} live worker groups")
         time.sleep(0.1)
 
 

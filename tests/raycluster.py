@@ -5,6 +5,7 @@ dir, with a token (Ray >= 2.59 authenticates local clusters), stopped by PID."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -28,8 +29,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def ray_head(num_cpus: int = 4) -> Iterator[tuple[str, dict]]:
-    """Yields (address, environment for its clients)."""
+def ray_head(num_cpus: int | None = None, resources: dict | None = None
+             ) -> Iterator[tuple[str, dict]]:
+    """Yields (address, environment for its clients). ``num_cpus`` defaults to this
+    machine's cores: a test never pretends to have more."""
+    num_cpus = os.cpu_count() if num_cpus is None else num_cpus
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16),
@@ -38,6 +42,7 @@ def ray_head(num_cpus: int = 4) -> Iterator[tuple[str, dict]]:
     head = subprocess.Popen(
         [os.path.join(BIN, "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={port}", f"--num-cpus={num_cpus}", "--include-dashboard=false",
+         *([f"--resources={json.dumps(resources)}"] if resources else []),
          "--disable-usage-stats", f"--temp-dir={temp_dir}"],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

@@ -108,37 +108,6 @@ def test_dataset_from_a_module_workers_cannot_import_says_how_to_ship_it(tmp_pat
     assert "register_pickle_by_value" in str(err.value)
 
 
-def test_more_cpus_than_the_cluster_has_is_a_clear_error():
-    loader = DpexDataLoader(dsets.Squares(4), num_workers=2, distribute_mode=True,
-                            ray_remote_args={"num_cpus": 64})
-    with pytest.raises(WorkerStartupError, match=r"cannot place 2 dpex workers \(CPU: 128 asked"):
-        iter(loader)
-
-
-@ray.remote
-class Hog:
-    def ping(self):
-        return True
-
-
-def test_workers_that_cannot_start_in_time_are_a_clear_error():
-    # The cluster has room for both workers in total, but another actor holds all but
-    # 4 of its CPUs: the second worker (4 CPUs) waits for the first to go.
-    dsets.wait_cluster_idle()
-    hog = Hog.options(num_cpus=ray.cluster_resources()["CPU"] - 4).remote()
-    ray.get(hog.ping.remote(), timeout=30)
-    try:
-        loader = DpexDataLoader(dsets.Squares(8), batch_size=1, num_workers=2,
-                                distribute_mode=True, ray_remote_args={"num_cpus": 4},
-                                startup_timeout=4)
-        t0 = time.monotonic()
-        with pytest.raises(WorkerStartupError, match=r"workers \[\d\] did not start within"):
-            list(loader)
-        assert time.monotonic() - t0 < 20
-    finally:
-        ray.kill(hog)
-
-
 def run_python(code, timeout=90, env=None):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
@@ -191,8 +160,9 @@ def test_embedded_default_starts_a_local_ray_when_none_runs():
 
 def test_slow_worker_init_fn_is_not_a_start_up_failure():
     """As in torch, worker_init_fn runs before the first batch; it is not actor start-up."""
-    loader = DpexDataLoader(dsets.Squares(4), batch_size=2, num_workers=1, startup_timeout=3,
-                            worker_init_fn=dsets.SleepyInit(4.5), distribute_mode=True)
+    # Start-up (placing the actor, starting its process) takes 1-4 s on this machine.
+    loader = DpexDataLoader(dsets.Squares(4), batch_size=2, num_workers=1, startup_timeout=8,
+                            worker_init_fn=dsets.SleepyInit(9), distribute_mode=True)
     assert len(list(loader)) == 2
 
 

@@ -20,7 +20,9 @@ TRAINER = os.path.join(raycluster.HERE, "fleet_trainer.py")
 
 @pytest.fixture(scope="module")
 def cluster():
-    with raycluster.ray_head(num_cpus=4) as head:
+    # A head with this machine's cores: fleets are detached actors, which need a
+    # cluster that outlives the process that starts them (not the embedded default).
+    with raycluster.ray_head(num_cpus=os.cpu_count()) as head:
         yield head
 
 
@@ -53,8 +55,9 @@ def status_rows(cluster, name):
 
 @pytest.fixture(scope="module")
 def fleet(cluster):
+    # More workers than the cluster has CPUs: they reserve none (dpex places them).
     out = dpex_fleet(cluster, "start", "--name", "prep", "--workers", "3",
-                     "--session-timeout", "3").stdout
+                     "--cpus-per-worker", "0", "--session-timeout", "3").stdout
     assert "3/3 workers up" in out and "worker_pool='prep'" in out
     yield "prep"
     dpex_fleet(cluster, "stop", "--name", "prep", check=False)

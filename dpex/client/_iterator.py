@@ -12,9 +12,12 @@ import collections
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import queue
 import time
+import traceback
+import warnings
 import weakref
 from typing import Any
 
@@ -34,27 +37,31 @@ from dpex.client._ledger import TaskLedger
 from dpex.client._ordering import OrderingBuffer
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
-from dpex.client._workers import FleetGroup, WorkerGroup, actor_options
-from dpex.errors import DpexError, WorkerDiedError, WorkerStartupError
+from dpex.client._workers import FleetGroup, WorkerGroup
+from dpex.errors import DpexError, PlacementWarning, WorkerDiedError, WorkerStartupError
 from dpex.server._worker_state import ShippedLoader, WorkerSpec
 
 __all__ = ["RayDataLoaderIter"]
 
 # How often a wait with no timeout wakes up to check that the loop thread lives.
 _POLL_S = 5.0
+# How long workers may take to start before dpex checks whether they wait for resources.
+_PLACEMENT_GRACE_S = 2.0
+logger = logging.getLogger("dpex")
 _iterator_ids = itertools.count()
 
 
 class _Runtime:
     """Everything one iterator started: loop thread, sockets, actors. Idempotent close."""
 
-    def __init__(self, name: str, handoff: queue.SimpleQueue, config: DpexConfig) -> None:
+    def __init__(self, name: str, handoff: queue.SimpleQueue, config: DpexConfig,
+                 label: str) -> None:
         host = node_address()  # may raise: before anything that needs closing exists
         self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))
         self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff)
         self.workers: WorkerGroup | FleetGroup = (
             FleetGroup(config.worker_pool, handoff) if config.worker_pool
-            else WorkerGroup(actor_options(config.ray_remote_args), handoff))
+            else WorkerGroup(config.ray_remote_args, handoff, label))
         self.closed = False
 
     def open(self) -> None:
@@ -90,8 +97,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             drop_last=self._drop_last, worker_init_fn=worker_init_fn,
         ))
         self._handoff: queue.SimpleQueue = queue.SimpleQueue()
-        name = f"dpex-loop-{next(_iterator_ids)}"
-        self._runtime = _Runtime(name, self._handoff, config)
+        number = next(_iterator_ids)
+        label = f"iterator {number} of a DpexDataLoader over {type(self._dataset).__name__}"
+        self._runtime = _Runtime(f"dpex-loop-{number}", self._handoff, config, label)
         self._finalizer = weakref.finalize(self, self._runtime.close)
         self._session = self._runtime.session
         self._loop = self._runtime.loop
@@ -112,6 +120,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 for w in range(self._num_workers)
             ]
             self._startup_deadline = time.monotonic() + self._startup_timeout
+            self._placement_check_at: float | None = time.monotonic() + _PLACEMENT_GRACE_S
             self._shipped = ray.put(shipped)  # kept: replacements load the same object
             self._runtime.workers.start(self._specs, self._shipped)
         except BaseException:
@@ -185,6 +194,21 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
 
     # -- consuming -------------------------------------------------------------
 
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()
+        except StopIteration:
+            raise
+        except BaseException as exc:
+            # The traceback holds every frame below this one and each of them holds this
+            # iterator, so it would live (with its workers) as long as the exception is
+            # kept. Clearing their locals releases an iterator that nothing else refers
+            # to (a `for` loop's, once the error has left the loop) at once, as a dropped
+            # iterator is; one the caller still holds goes on, as torch's does.
+            traceback.clear_frames(exc.__traceback__)
+            del self
+            raise
+
     def _consume(self, seq: int) -> None:
         self._ledger.consumed(seq)
         self._credits.release()
@@ -252,6 +276,11 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             except queue.Empty:
                 pass
             wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if starting and self._placement_check_at is not None:
+                wait = min(wait, self._placement_check_at - time.monotonic())
+                if wait <= 0:
+                    self._check_placement()
+                    continue
             if wait > 0:
                 try:
                     return self._handoff.get(timeout=wait)
@@ -301,7 +330,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             return  # stopping, or a predecessor already replaced
         where = self._known.get(w, {}).get("node_ip", "unknown node")
         cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
-        fatal = w not in self._known or isinstance(cause, WorkerStartupError)
+        # A worker never placed because its node went away is placed again, like a death.
+        unplaced = isinstance(cause, ray.exceptions.ActorUnschedulableError)
+        fatal = (w not in self._known and not unplaced) or isinstance(cause, WorkerStartupError)
         if not fatal and self._incarnation[w] < self._max_restarts:
             self._recoveries.append({"worker": w, "reported_at": exit_.at,
                                      "cause": type(cause).__name__})
@@ -332,6 +363,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._counters["restarted"] += 1
         self._ready.pop(w, None)
         self._startup_deadline = time.monotonic() + self._startup_timeout
+        self._placement_check_at = time.monotonic() + _PLACEMENT_GRACE_S
         old = self._specs[w].ring
         if old is not None:
             self._loop.call_soon(self._session.retire_ring, old.ring_id)
@@ -356,6 +388,16 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             return self._session.new_ring(self._ring_bytes, self._node_id, worker_id)
         except OSError:  # no memfd here (or out of memory): that worker uses the socket
             return None
+
+    def _check_placement(self) -> None:
+        """Once per start-up: warn if the workers still missing wait for resources
+        that the cluster does not have free (they reserve some; by default none)."""
+        self._placement_check_at = None
+        missing = sorted(set(range(self._num_workers)) - set(self._ready))
+        message = self._runtime.workers.placement_warning(missing)
+        if message:
+            logger.warning(message)
+            warnings.warn(message, PlacementWarning, stacklevel=2)
 
     def _startup_failure(self) -> WorkerStartupError:
         missing = sorted(set(range(self._num_workers)) - set(self._ready))
@@ -391,7 +433,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         return {
             "epoch": self._epoch,
             "workers_ready": len(self._ready),
-            "workers": {w: {k: info.get(k) for k in ("pid", "node_ip", "transport")}
+            "workers": {w: {k: info.get(k) for k in ("pid", "node_ip", "node_id", "transport")}
                         for w, info in sorted(self._known.items())},
             "credits_in_flight": self._credits.in_flight,
             **session,

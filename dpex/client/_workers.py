@@ -1,45 +1,121 @@
-"""Starting, watching and stopping the worker actors of one iterator."""
+"""Starting, watching and stopping the worker actors of one iterator.
+
+Placement follows :mod:`dpex.client._placement`: by default a worker reserves
+nothing and dpex picks its node; what the user asks Ray to reserve is honoured
+exactly. Every live group is listed in :data:`LIVE_GROUPS` (this process), which
+spreads the next group's workers and names who holds what when a request waits.
+"""
 
 from __future__ import annotations
 
+import itertools
 import queue
+import random
+import threading
+import weakref
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from dpex.client import _placement
 from dpex.client._events import WorkerExit
 from dpex.errors import WorkerStartupError
 from dpex.server._actor import DpexWorker
 from dpex.server._worker_state import WorkerSpec
 
-__all__ = ["WorkerGroup", "FleetGroup", "actor_options", "check_placeable"]
+__all__ = ["WorkerGroup", "FleetGroup", "check_placeable", "choose_nodes", "on_node",
+           "LIVE_GROUPS"]
 
-_DEFAULT_OPTIONS = {"num_cpus": 1, "scheduling_strategy": "SPREAD"}
+# Every WorkerGroup of this process that has not stopped (weak: a dropped iterator's
+# group goes with it).
+LIVE_GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+_groups_lock = threading.Lock()
+_group_ids = itertools.count()
+_tie_break = random.Random()  # never the user's random module state
 
 
-def actor_options(ray_remote_args: Mapping[str, Any] | None) -> dict:
-    """Actor options: 1 CPU, spread across nodes, unless ``ray_remote_args`` says otherwise."""
-    return {**_DEFAULT_OPTIONS, **(ray_remote_args or {})}
+def _autoscaling_max() -> dict[str, float] | None:
+    """The most of each resource an autoscaling cluster's configuration can hold, or
+    ``None`` on a cluster without an autoscaler (as Ray Train checks it)."""
+    try:
+        from ray._private.state import state
+        found = state.get_max_resources_from_cluster_config()
+    except Exception:  # a Ray without it, or no GCS answer: judge by today's nodes
+        return None
+    return {k: float(v) for k, v in found.items()} if found else None
 
 
-def check_placeable(options: Mapping[str, Any], num_workers: int) -> None:
-    """Raise at once when the cluster as a whole cannot hold ``num_workers`` actors."""
-    total = ray.cluster_resources()
-    asked = {"CPU": float(options.get("num_cpus", 0) or 0) * num_workers}
-    if options.get("num_gpus"):
-        asked["GPU"] = float(options["num_gpus"]) * num_workers
-    if options.get("memory"):
-        asked["memory"] = float(options["memory"]) * num_workers
-    for name, amount in (options.get("resources") or {}).items():
-        asked[name] = float(amount) * num_workers
-    short = {k: (v, total.get(k, 0.0)) for k, v in asked.items() if v > total.get(k, 0.0) + 1e-9}
-    if short:
-        detail = ", ".join(f"{k}: {need:g} asked, {have:g} in the cluster" for k, (need, have) in short.items())
+def _pending_requests() -> list[dict[str, float]] | None:
+    """The resource shapes that wait in the cluster for resources to be freed (what
+    ``ray status`` lists as demands), or ``None`` when this Ray cannot tell."""
+    try:
+        from ray._raylet import GcsClient
+        from ray.autoscaler.v2.sdk import get_cluster_resource_state
+
+        client = GcsClient(ray.get_runtime_context().gcs_address)
+        state = get_cluster_resource_state(client)
+        return [dict(r.request.resources_bundle) for r in state.pending_resource_requests]
+    except Exception:  # an older or newer Ray without it: judge by free resources
+        return None
+
+
+def _live_nodes() -> list[dict]:
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def check_placeable(ray_remote_args: Mapping[str, Any], num_workers: int) -> None:
+    """Raise at once when ``num_workers`` actors that reserve what ``ray_remote_args``
+    asks for can never be placed (see :func:`dpex.client._placement.never_fits`)."""
+    demand = _placement.per_worker_demand(ray_remote_args)
+    if not demand:
+        return
+    nodes = _live_nodes()
+    largest: dict[str, float] = {}
+    for node in nodes:
+        for name, amount in node.get("Resources", {}).items():
+            largest[name] = max(largest.get(name, 0.0), float(amount))
+    why = _placement.never_fits(demand, num_workers, ray.cluster_resources(), largest,
+                                _autoscaling_max())
+    if why:
         raise WorkerStartupError(
-            f"the Ray cluster cannot place {num_workers} dpex workers ({detail}); "
-            "use fewer workers or lower ray_remote_args['num_cpus']"
+            f"the Ray cluster cannot place {num_workers} dpex workers ({why}); use fewer "
+            "workers, or ask for less in ray_remote_args (without num_cpus a worker "
+            "reserves no CPU, as torch's workers do)"
         )
+
+
+def choose_nodes(n: int) -> list[str | None]:
+    """Nodes for ``n`` new workers that reserve nothing (``None``: Ray's choice), spread
+    over the CPU nodes counting the live workers of this process's groups."""
+    nodes = [_placement.Node(node["NodeID"], float(node.get("Resources", {}).get("CPU", 0)))
+             for node in _live_nodes()]
+    if len(nodes) <= 1:
+        return [None] * n
+    held: Counter[str] = Counter()
+    with _groups_lock:
+        for group in LIVE_GROUPS:
+            held.update(node for node in group.nodes.values() if node)
+    return _placement.choose_nodes(nodes, held, n, _tie_break)
+
+
+def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
+    # Hard: Ray ignores a soft affinity for an actor that reserves nothing (Ray 2.60: 12
+    # soft-pinned 0-CPU actors landed evenly on all three nodes of a test cluster). A node
+    # lost before its worker is placed makes that worker unschedulable; the iterator
+    # then places it again (ActorUnschedulableError counts as a worker death).
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def holders() -> str:
+    """Which live dpex worker groups of this process reserve what, one per line."""
+    with _groups_lock:
+        groups = sorted(LIVE_GROUPS, key=lambda g: g.group_id)
+    lines = [f"  {g.label}: {len(g.actors)} workers, each reserving "
+             f"{_placement.describe(g.demand)}" for g in groups if g.actors]
+    return "\n".join(lines) or "  (none in this process)"
 
 
 def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int) -> Any:
@@ -57,21 +133,38 @@ def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int) ->
 class WorkerGroup:
     """The actors of one iterator. ``stop()`` is idempotent and kills them all."""
 
-    def __init__(self, options: Mapping[str, Any], events: queue.SimpleQueue) -> None:
-        self.options = dict(options)
+    def __init__(self, ray_remote_args: Mapping[str, Any], events: queue.SimpleQueue,
+                 label: str = "dpex loader") -> None:
+        self.user_args = dict(ray_remote_args)
+        self.reserving = _placement.reserves(self.user_args)
+        self.demand = _placement.per_worker_demand(self.user_args)
+        self.options = {"num_cpus": 0, **self.user_args}  # as reported in errors
+        if self.reserving:
+            self.options.setdefault("scheduling_strategy", "SPREAD")
         self.events = events
+        self.group_id = next(_group_ids)
+        self.label = label
         self.actors: dict[int, Any] = {}
+        self.nodes: dict[int, str | None] = {}  # the node dpex chose for each worker
         self._stopped = False
+        with _groups_lock:
+            LIVE_GROUPS.add(self)
 
     def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
-        check_placeable(self.options, len(specs))
-        self._actor_class = ray.remote(DpexWorker).options(**self.options)
-        for spec in specs:
-            self._start_one(spec, shipped)
+        if self.reserving:
+            check_placeable(self.user_args, len(specs))
+        self._actor_class = ray.remote(DpexWorker)
+        nodes = choose_nodes(len(specs)) if not self.reserving else [None] * len(specs)
+        for spec, node in zip(specs, nodes, strict=True):
+            self._start_one(spec, shipped, node)
 
-    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
-        actor = self._actor_class.remote()
+    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None) -> None:
+        options = dict(self.options)
+        if node is not None:
+            options["scheduling_strategy"] = on_node(node)
+        actor = self._actor_class.options(**options).remote()
         self.actors[spec.worker_id] = actor
+        self.nodes[spec.worker_id] = node
         ref = actor.serve.remote(spec, shipped)
         # Ray fails this reference as soon as the actor dies (process killed, node
         # lost): liveness without polling.
@@ -88,13 +181,38 @@ class WorkerGroup:
                 ray.kill(old, no_restart=True)
             except Exception:
                 pass  # already gone
-        self._start_one(spec, shipped)
+        self.nodes.pop(spec.worker_id, None)
+        node = choose_nodes(1)[0] if not self.reserving else None
+        self._start_one(spec, shipped, node)
 
+    def placement_warning(self, waiting: list[int]) -> str | None:
+        """Why workers ``waiting`` cannot be placed right now, or ``None`` if they can
+        (or reserve nothing, and so never wait for resources)."""
+        if not self.demand or not waiting:
+            return None
+        pending = _pending_requests()
+        if pending is not None and not any(_placement.matches(self.demand, request)
+                                           for request in pending):
+            return None  # placed, and still starting: nothing waits for resources
+        short = _placement.shortfall(self.demand, ray.available_resources())
+        if not short:
+            return None
+        free = ", ".join(f"{name} {amount:g}" for name, amount in sorted(short.items()))
+        return (
+            f"dpex workers {waiting} of {self.label} cannot be placed now: each reserves "
+            f"{_placement.describe(self.demand)} (ray_remote_args), but the Ray cluster has "
+            f"only {free} free. Live dpex loaders of this process hold:\n{holders()}\n"
+            "They start when resources are freed, or fail after startup_timeout. To run "
+            "without reserving CPUs, as torch's workers do, leave num_cpus out of "
+            "ray_remote_args."
+        )
 
     def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
+        with _groups_lock:
+            LIVE_GROUPS.discard(self)
         if not ray.is_initialized():
             return
         for actor in self.actors.values():
@@ -141,6 +259,9 @@ class FleetGroup:
             return
         self._cancel(spec.worker_id)
         self._start_one(spec, shipped, choose_workers(self.fleet, 1)[0])
+
+    def placement_warning(self, waiting: list[int]) -> str | None:
+        return None  # the fleet's workers were placed by `dpex fleet start`
 
     def _cancel(self, worker_id: int) -> None:
         ref = self._calls.pop(worker_id, None)
