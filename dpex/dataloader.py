@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from dpex._config import DpexConfig
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
+from dpex.errors import DpexDroppedWarning
 
 __all__ = ["DpexDataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
+
+# torch's DataLoader takes ``in_order`` from 2.6 on; dpex's own iterator honours it on
+# any version.
+_TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+# What Lightning's wrapped ``__init__`` stores on the instance (lightning_fabric's
+# ``_wrap_init_method``).
+_LIGHTNING_RECORD = "__pl_saved_args"
+_LIGHTNING_KWARGS = "__pl_saved_kwargs"
+_DPEX_ARGUMENTS = tuple(f.name for f in dataclasses.fields(DpexConfig))
 
 
 class DpexDataLoader(DataLoader[T_co]):
@@ -91,15 +105,116 @@ class DpexDataLoader(DataLoader[T_co]):
         self.max_worker_restarts = config.max_worker_restarts
         self.shm_ring_bytes = config.shm_ring_bytes
         self.worker_pool = config.worker_pool
+        self._reset_runtime_state()
+        recorded_before = _LIGHTNING_RECORD in self.__dict__
+        torch_kwargs: dict[str, Any] = {
+            "batch_size": batch_size, "shuffle": shuffle, "sampler": sampler,
+            "batch_sampler": batch_sampler, "num_workers": num_workers,
+            "collate_fn": collate_fn, "pin_memory": pin_memory, "drop_last": drop_last,
+            "timeout": timeout, "worker_init_fn": worker_init_fn,
+            "multiprocessing_context": multiprocessing_context, "generator": generator,
+            "prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers,
+            "pin_memory_device": pin_memory_device,
+        }
+        if _TORCH_HAS_IN_ORDER:
+            torch_kwargs["in_order"] = in_order
+        elif not in_order and not (distribute_mode and num_workers > 0):
+            raise TypeError(f"in_order=False needs torch >= 2.6 (this is {torch.__version__}) "
+                            "unless distribute_mode=True")
+        # By keyword: a framework that records this call (Lightning, when DpexDataLoader was
+        # imported after it began recording) must see names, not positions.
+        super().__init__(dataset, **torch_kwargs)
+        if not _TORCH_HAS_IN_ORDER:
+            self.in_order = in_order
+        if not recorded_before:
+            self._complete_lightning_record(config)
+
+    def _complete_lightning_record(self, config: DpexConfig) -> None:
+        """Make Lightning's record of this construction include dpex's arguments.
+
+        Lightning records the arguments of the outermost ``__init__`` it wrapped and
+        re-creates the loader from them (``type(loader)(*args, **kwargs)``, with its own
+        ``sampler`` under DDP). When this class was defined after Lightning started
+        recording (dpex imported inside a ``*_dataloader`` hook), only torch's
+        ``DataLoader.__init__`` was wrapped: its record lacks ``distribute_mode`` and the
+        rest, and the re-created loader would silently be torch's. Adding them here
+        makes the re-created loader this one's twin.
+        """
+        kwargs = self.__dict__.get(_LIGHTNING_KWARGS)
+        if not isinstance(kwargs, dict):
+            return  # not recorded: Lightning rebuilds from the attributes set above
+        for name in _DPEX_ARGUMENTS:
+            kwargs.setdefault(name, getattr(config, name))
+
+    def _reset_runtime_state(self) -> None:
+        """What belongs to this process's live iterators, never to the configuration."""
         self._live_iterators: weakref.WeakSet = weakref.WeakSet()
         self._latest: weakref.ref | None = None  # the newest distributed iterator
         self._final_stats: dict = {}  # what the newest one to shut down reported last
-        super().__init__(
-            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device, in_order=in_order,
+
+    def __getstate__(self) -> dict:
+        """The configuration only (for ``mp.spawn``, Lightning's ``ddp_spawn``): live
+        iterators, their workers and counters stay with the process that made them."""
+        state = dict(self.__dict__)
+        for name in ("_iterator", "_live_iterators", "_latest", "_final_stats"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_iterator"] = None  # torch's slot for a persistent iterator
+        self._reset_runtime_state()
+
+    @classmethod
+    def from_loader(cls, loader: DataLoader, **dpex_arguments: Any) -> DpexDataLoader:
+        """A DpexDataLoader with ``loader``'s torch configuration and dpex's arguments.
+
+        For loaders that a framework builds itself (Accelerate, ``transformers.Trainer``):
+        the same dataset, and the very sampler or batch sampler, generator,
+        ``collate_fn`` and ``worker_init_fn`` objects, so the twin yields exactly
+        ``loader``'s batches. ``dpex_arguments`` are this class's keyword arguments
+        (``distribute_mode=True``, ...); those not given keep ``loader``'s own when it
+        is a DpexDataLoader, else their defaults.
+        """
+        if isinstance(loader, DpexDataLoader):
+            dpex_arguments = {**dataclasses.asdict(loader.dpex_config), **dpex_arguments}
+        kwargs: dict[str, Any] = {}
+        if loader.batch_sampler is not None:  # torch's BatchSampler or the user's: reuse it
+            kwargs["batch_sampler"] = loader.batch_sampler
+        else:  # batch_size=None, or an IterableDataset (whose sampler torch makes itself)
+            kwargs.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+            if not isinstance(loader.dataset, torch.utils.data.IterableDataset):
+                kwargs["sampler"] = loader.sampler
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        return cls(
+            loader.dataset, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory, timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+            persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device,
+            in_order=getattr(loader, "in_order", True), **kwargs, **dpex_arguments,
         )
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        # HF Accelerate reads this flag on a loader just before prepare() rebuilds it as a
+        # plain torch DataLoader, dropping this class and its Ray workers: say so loudly.
+        prepared = self.__dict__.get("_accelerate_prepared", False)
+        if not prepared and self._distributed and not self.__dict__.get("_dpex_preparing"):
+            warnings.warn(
+                "HF Accelerate is about to rebuild this DpexDataLoader as a plain torch "
+                "DataLoader: distribute_mode=True is dropped and torch's local worker "
+                "processes will load the batches instead of dpex's Ray workers. Use "
+                "dpex.accelerate.prepare_data_loader(accelerator, loader) instead of "
+                "accelerator.prepare(loader) to keep them (see docs/INTEGRATIONS.md).",
+                DpexDroppedWarning, stacklevel=2)
+        return prepared
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self.__dict__["_accelerate_prepared"] = value
 
     @property
     def dpex_config(self) -> DpexConfig:

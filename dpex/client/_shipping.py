@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
@@ -40,10 +44,33 @@ def find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, BaseExce
     return path, error
 
 
+_registry_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _spawned_script_by_value() -> Iterator[None]:
+    """What the user's script defines travels by value, as cloudpickle does for
+    ``__main__``, also in a process that ``mp.spawn`` or Lightning's ``ddp_spawn``
+    started: there the script is the module ``__mp_main__``, which cloudpickle would
+    pickle by reference and no Ray worker can import."""
+    script = sys.modules.get("__mp_main__")
+    with _registry_lock:
+        if script is None or script.__name__ != "__mp_main__" or \
+                script.__name__ in cloudpickle.list_registry_pickle_by_value():
+            yield
+            return
+        cloudpickle.register_pickle_by_value(script)
+        try:
+            yield
+        finally:
+            cloudpickle.unregister_pickle_by_value(script)
+
+
 def ship_loader(shipped: ShippedLoader) -> bytes:
     """Cloudpickle ``shipped``; raise :class:`DatasetNotPicklableError` naming the culprit."""
     try:
-        return cloudpickle.dumps(shipped, protocol=5)
+        with _spawned_script_by_value():
+            return cloudpickle.dumps(shipped, protocol=5)
     except Exception as exc:
         for name in ("dataset", "collate_fn", "worker_init_fn"):
             obj = getattr(shipped, name)

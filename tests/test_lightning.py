@@ -1,0 +1,79 @@
+"""PyTorch Lightning, unmodified, on the embedded default: the same script with torch's
+DataLoader and with DpexDataLoader gives the same batches, losses and predictions.
+
+tests/lightning_app.py is the script; each run is a fresh process started as a user
+starts it (no cluster, no RAY_ADDRESS), so every process starts its own Ray.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from dsets import assert_same
+
+pytest.importorskip("pytorch_lightning")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+APP = os.path.join(HERE, "lightning_app.py")
+
+
+def run(loader: str, scenario: str, out) -> list[dict]:
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, APP, "--loader", loader, "--scenario", scenario,
+                           "--out", str(out)], capture_output=True, text=True, timeout=500,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = sorted(out.glob("rank*.pt"))
+    return [torch.load(path, weights_only=False) for path in ranks]
+
+
+def assert_same_training(theirs: dict, ours: dict) -> None:
+    assert len(ours["train"]) == len(theirs["train"]) > 0
+    assert_same(theirs["train"], ours["train"], "training batches")
+    assert_same(theirs["val"], ours["val"], "validation batches")
+    assert_same(theirs["loss"], ours["loss"], "losses")
+
+
+def assert_dpex_workers_made(ours: dict, theirs: dict) -> None:
+    """dpex's items came from Ray worker processes (a raylet's pid), torch's never."""
+    assert ours["pids"] and 0 not in ours["pids"]
+    assert theirs["pids"] == {0}
+
+
+def test_fit_with_datamodule_and_direct_loaders_then_predict_equal_torch(tmp_path):
+    (theirs,) = run("torch", "single", tmp_path / "torch")
+    (ours,) = run("dpex", "single", tmp_path / "dpex")
+    assert_same_training(theirs, ours)
+    assert_same(theirs["predictions"], ours["predictions"], "predictions")
+    for what in ("fit_datamodule", "fit_direct"):
+        assert ours[what] == {**theirs[what], "class": "DpexDataLoader",
+                              "distribute_mode": True}, what
+    # predict: Lightning re-created the loader around its own batch sampler wrapper
+    assert ours["predict"]["class"] == "DpexDataLoader"
+    assert ours["predict"]["distribute_mode"] is True
+    assert ours["predict"]["batch_sampler"] == "_IndexBatchSamplerWrapper"
+    assert_dpex_workers_made(ours, theirs)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_ddp_ranks_get_torchs_per_rank_batches_from_dpex_workers(tmp_path, strategy):
+    theirs = run("torch", strategy, tmp_path / "torch")
+    ours = run("dpex", strategy, tmp_path / "dpex")
+    assert len(theirs) == len(ours) == 2
+    for rank in range(2):
+        assert_same_training(theirs[rank], ours[rank])
+        # Lightning re-created the loader with a DistributedSampler and kept dpex
+        assert ours[rank]["fit"]["sampler"] == "DistributedSampler"
+        assert ours[rank]["fit"]["class"] == "DpexDataLoader"
+        assert ours[rank]["fit"]["distribute_mode"] is True
+        assert_dpex_workers_made(ours[rank], theirs[rank])
+    # In its epoch (5 steps of 4 items) each rank saw its own half of the data.
+    seen = [{round(v * 10) for x, _ in ours[r]["train"] for v in x[:, 0].tolist()}
+            for r in range(2)]
+    assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(40))
