@@ -15,4 +15,6 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install --quiet "torch==${DPEX_TORCH_VERSION:-2.13.0}"
 fi
 echo "dpex: installing dpex and its ${DPEX_EXTRAS:-default} dependencies"
-python -m pip install --quiet -e ".${DPEX_EXTRAS:+[$DPEX_EXTRAS]}"
+# Pinned to the torch just installed: no dependency may swap it for another build.
+TORCH_NOW="$(python -c 'import torch; print(torch.__version__)')"
+python -m pip install --quiet -e ".${DPEX_EXTRAS:+[$DPEX_EXTRAS]}" "torch==$TORCH_NOW"
