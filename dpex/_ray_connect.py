@@ -11,7 +11,7 @@ import ray
 
 from dpex.errors import RayConnectionError
 
-__all__ = ["connect_ray", "node_address"]
+__all__ = ["connect_ray", "node_address", "would_start_embedded"]
 
 _lock = threading.Lock()
 _REACH_TIMEOUT_S = 10.0
@@ -57,6 +57,15 @@ def connect_ray(head_address: str = "auto") -> None:
             _start_embedded()
             return
         _join(head_address, f"head_address={head_address!r}")
+
+
+def would_start_embedded(head_address: str) -> bool:
+    """Whether :func:`connect_ray` would start the embedded default (so the workers would
+    share this machine's cores), judged without connecting."""
+    if ray.is_initialized() or head_address not in ("auto", "", None):
+        return False
+    explicit = os.environ.get("RAY_ADDRESS", "")
+    return not (explicit and explicit != "auto") and _started_cluster() is None
 
 
 def _started_cluster() -> str | None:

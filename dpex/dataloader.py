@@ -179,12 +179,13 @@ class DpexDataLoader(DataLoader[T_co]):
         if isinstance(loader, DpexDataLoader):
             dpex_arguments = {**dataclasses.asdict(loader.dpex_config), **dpex_arguments}
         kwargs: dict[str, Any] = {}
-        if loader.batch_sampler is not None:  # torch's BatchSampler or the user's: reuse it
-            kwargs["batch_sampler"] = loader.batch_sampler
-        else:  # batch_size=None, or an IterableDataset (whose sampler torch makes itself)
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            # torch makes its own (placeholder) sampler and batch sampler for these
             kwargs.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
-            if not isinstance(loader.dataset, torch.utils.data.IterableDataset):
-                kwargs["sampler"] = loader.sampler
+        elif loader.batch_sampler is not None:  # torch's BatchSampler or the user's: reuse it
+            kwargs["batch_sampler"] = loader.batch_sampler
+        else:  # batch_size=None: the sampler itself
+            kwargs.update(batch_size=None, sampler=loader.sampler, drop_last=loader.drop_last)
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
         return cls(
@@ -228,9 +229,28 @@ class DpexDataLoader(DataLoader[T_co]):
         return bool(self.distribute_mode) and self.num_workers > 0
 
     def check_worker_number_rationality(self) -> None:
-        # Remote workers do not compete for this machine's CPUs.
+        """torch's warning when ``num_workers`` exceeds the CPUs the workers can use: this
+        machine's for torch's loader and for dpex's embedded default, the Ray cluster's
+        for dpex's on a cluster (known once this process is connected to Ray)."""
         if not self._distributed:
             super().check_worker_number_rationality()
+            return
+        import ray
+
+        from dpex._ray_connect import would_start_embedded
+
+        if not ray.is_initialized():
+            if would_start_embedded(self.head_address) and not self.worker_pool:
+                super().check_worker_number_rationality()  # the workers will share this machine
+            return
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        if self.num_workers > cpus:
+            warnings.warn(
+                f"This DataLoader will create {self.num_workers} worker processes in total. "
+                f"The Ray cluster it runs on has {cpus} CPUs, which is smaller than what this "
+                "DataLoader is going to create. Please be aware that excessive worker "
+                "creation might get DataLoader running slow or even freeze, lower the worker "
+                "number to avoid potential slowness/freeze if necessary.", stacklevel=2)
 
     def __iter__(self) -> _BaseDataLoaderIter:
         # A persistent iterator that a fatal error (or close()) stopped cannot resume;
@@ -246,6 +266,7 @@ class DpexDataLoader(DataLoader[T_co]):
 
         # Built from the attributes, which a framework may have set since __init__.
         iterator = RayDataLoaderIter(self, self.dpex_config)
+        self.check_worker_number_rationality()  # as torch does here; Ray is connected now
         self._live_iterators.add(iterator)
         self._latest = weakref.ref(iterator)
         return iterator

@@ -16,5 +16,5 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 echo "dpex: installing dpex and its ${DPEX_EXTRAS:-default} dependencies"
 # Pinned to the torch just installed: no dependency may swap it for another build.
-TORCH_NOW="$(python -c 'import torch; print(torch.__version__)')"
+TORCH_NOW="$(python -c 'import importlib.metadata as m; print(m.version("torch"))')"
 python -m pip install --quiet -e ".${DPEX_EXTRAS:+[$DPEX_EXTRAS]}" "torch==$TORCH_NOW"

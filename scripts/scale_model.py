@@ -86,7 +86,9 @@ def main() -> None:
     args = p.parse_args()
     import ray
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    from dpex._ray_connect import connect_ray
+
+    connect_ray("auto")  # as a user's first loader does
     try:
         batches = args.batches or bench.SCENARIOS[args.scenario][2]
         print(f"measuring the costs with 1 worker ({args.scenario}, {batches} batches) ...",

@@ -227,14 +227,14 @@ def live_workers() -> list[dict]:
 def wait_no_workers(limit: float = 30.0) -> None:
     """Wait until no dpex worker actor is alive and no worker group of this process is
     live: actors killed by earlier tests die asynchronously."""
-    from dpex.client._workers import LIVE_GROUPS
+    from dpex.client._workers import live_groups
 
     deadline = time.monotonic() + limit
-    while live_workers() or len(LIVE_GROUPS):
+    while live_workers() or live_groups():
         if time.monotonic() > deadline:
             raise TimeoutError(f"dpex workers still alive after {limit} s: "
                                f"{[w.get('Pid') for w in live_workers()]}, "
-                               f"{len(LIVE_GROUPS)} live worker groups")
+                               f"{len(live_groups())} live worker groups")
         time.sleep(0.1)
 
 

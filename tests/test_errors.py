@@ -158,6 +158,56 @@ def test_embedded_default_starts_a_local_ray_when_none_runs():
     torch.manual_seed(0)
 
 
+FIRST_SCRIPT = """
+    import os, sys, time, ray, torch
+    from dpex import DpexDataLoader
+    loader = DpexDataLoader(torch.arange(10), batch_size=5, num_workers=2, distribute_mode=True)
+    assert len(list(loader)) == 2
+    print("GCS", ray.get_runtime_context().gcs_address, flush=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+"""
+
+SECOND_SCRIPT = """
+    import os, sys, time, ray, torch
+    from dpex import DpexDataLoader
+    loader = DpexDataLoader(torch.arange(10), batch_size=5, num_workers=2, distribute_mode=True,
+                            persistent_workers=True)
+    assert len(list(loader)) == 2
+    print("GCS", ray.get_runtime_context().gcs_address, flush=True)
+    open(sys.argv[1], "w").close()  # the first script may end now
+    time.sleep(float(sys.argv[2]))  # ... and has ended
+    print("AFTER", [b.tolist() for b in loader], flush=True)
+    loader.close()
+"""
+
+
+def test_a_second_script_gets_its_own_ray_and_outlives_the_first(tmp_path):
+    """Another script's embedded Ray is not a cluster to join: it ends with that script."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    flag = str(tmp_path / "first-may-end")
+
+    def start(code, *args):
+        return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=ROOT)
+
+    first = start(FIRST_SCRIPT, flag)
+    try:
+        line = first.stdout.readline()  # the first script's Ray is up and its loader ran
+        assert line.startswith("GCS"), first.stderr.read()[-3000:]
+        second = start(SECOND_SCRIPT, flag, "8")
+        out, err = second.communicate(timeout=150)
+        assert first.wait(30) == 0
+    finally:
+        first.kill()
+    assert second.returncode == 0, err[-3000:]
+    gcs = [ln.split()[1] for ln in out.splitlines() if ln.startswith("GCS")]
+    assert gcs and gcs[0] != line.split()[1]
+    assert "AFTER [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]" in out
+
+
 def test_slow_worker_init_fn_is_not_a_start_up_failure():
     """As in torch, worker_init_fn runs before the first batch; it is not actor start-up."""
     # Start-up (placing the actor, starting its process) takes 1-4 s on this machine.

@@ -119,3 +119,20 @@ def test_persistent_loader_starts_afresh_after_its_workers_died():
     assert it.closed
     assert len(list(loader)) == 20 and loader._iterator is not it  # new workers
     loader.close()
+
+
+def test_workers_are_listed_like_torchs_and_end_with_their_iterator():
+    """``iterator._workers`` as torch's: process-like handles (PyTorch's own tests use it)."""
+    loader = DpexDataLoader(dsets.Squares(40), batch_size=2, num_workers=3,
+                            distribute_mode=True)
+    it = iter(loader)
+    next(it)
+    workers = it._workers
+    assert [w.worker_id for w in workers] == [0, 1, 2]
+    assert all(w.is_alive() and w.exitcode is None for w in workers)
+    pids = sorted(worker_pids(it))  # once every worker said HELLO, the handles know pids
+    assert sorted(w.pid for w in it._workers) == pids
+    del it  # broken off: its workers end, as torch's do
+    for w in workers:
+        w.join(10)
+        assert not w.is_alive() and w.exitcode == 0

@@ -37,7 +37,7 @@ from dpex.client._ledger import TaskLedger
 from dpex.client._ordering import OrderingBuffer
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
-from dpex.client._workers import FleetGroup, WorkerGroup
+from dpex.client._workers import FleetGroup, WorkerGroup, WorkerProcess
 from dpex.errors import DpexError, PlacementWarning, WorkerDiedError, WorkerStartupError
 from dpex.server._worker_state import ShippedLoader, WorkerSpec
 
@@ -418,6 +418,13 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         loader = self._loader_ref()
         if loader is not None:
             loader._final_stats = self.stats()
+
+    @property
+    def _workers(self) -> list[WorkerProcess]:
+        """The current worker of each id, as torch's ``_workers`` (process-like handles)."""
+        workers = self._runtime.workers
+        return [WorkerProcess(workers, w, actor, self._known.get(w, {}).get("pid"))
+                for w, actor in sorted(workers.actors.items())]
 
     @property
     def closed(self) -> bool:

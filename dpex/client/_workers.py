@@ -2,8 +2,8 @@
 
 Placement follows :mod:`dpex.client._placement`: by default a worker reserves
 nothing and dpex picks its node; what the user asks Ray to reserve is honoured
-exactly. Every live group is listed in :data:`LIVE_GROUPS` (this process), which
-spreads the next group's workers and names who holds what when a request waits.
+exactly. Every group of this process is known to :func:`live_groups`, which spreads
+the next group's workers and names who holds what when a request waits.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import itertools
 import queue
 import random
 import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import Mapping
@@ -26,13 +27,16 @@ from dpex.errors import WorkerStartupError
 from dpex.server._actor import DpexWorker
 from dpex.server._worker_state import WorkerSpec
 
-__all__ = ["WorkerGroup", "FleetGroup", "check_placeable", "choose_nodes", "on_node",
-           "LIVE_GROUPS"]
+__all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "check_placeable", "choose_nodes",
+           "on_node", "live_groups"]
 
-# Every WorkerGroup of this process that has not stopped (weak: a dropped iterator's
-# group goes with it).
-LIVE_GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
-_groups_lock = threading.Lock()
+# Every WorkerGroup of this process (weak: a dropped iterator's group goes with it).
+# Only creation adds to it and nothing else changes it: a group's stop() may run in a
+# garbage-collector finalizer, on any thread and inside any code, even one that holds
+# this lock or iterates this set. Readers take a snapshot under the lock and skip the
+# stopped groups.
+_GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+_groups_lock = threading.RLock()
 _group_ids = itertools.count()
 _tie_break = random.Random()  # never the user's random module state
 
@@ -95,9 +99,8 @@ def choose_nodes(n: int) -> list[str | None]:
     if len(nodes) <= 1:
         return [None] * n
     held: Counter[str] = Counter()
-    with _groups_lock:
-        for group in LIVE_GROUPS:
-            held.update(node for node in group.nodes.values() if node)
+    for group in live_groups():
+        held.update(node for node in group.nodes.values() if node)
     return _placement.choose_nodes(nodes, held, n, _tie_break)
 
 
@@ -109,10 +112,16 @@ def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
+def live_groups() -> list[WorkerGroup]:
+    """The worker groups of this process that have not stopped, oldest first."""
+    with _groups_lock:
+        groups = list(_GROUPS)
+    return sorted((g for g in groups if not g.stopped), key=lambda g: g.group_id)
+
+
 def holders() -> str:
     """Which live dpex worker groups of this process reserve what, one per line."""
-    with _groups_lock:
-        groups = sorted(LIVE_GROUPS, key=lambda g: g.group_id)
+    groups = live_groups()
     lines = [f"  {g.label}: {len(g.actors)} workers, each reserving "
              f"{_placement.describe(g.demand)}" for g in groups if g.actors]
     return "\n".join(lines) or "  (none in this process)"
@@ -148,7 +157,7 @@ class WorkerGroup:
         self.nodes: dict[int, str | None] = {}  # the node dpex chose for each worker
         self._stopped = False
         with _groups_lock:
-            LIVE_GROUPS.add(self)
+            _GROUPS.add(self)
 
     def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
         if self.reserving:
@@ -185,6 +194,10 @@ class WorkerGroup:
         node = choose_nodes(1)[0] if not self.reserving else None
         self._start_one(spec, shipped, node)
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     def placement_warning(self, waiting: list[int]) -> str | None:
         """Why workers ``waiting`` cannot be placed right now, or ``None`` if they can
         (or reserve nothing, and so never wait for resources)."""
@@ -211,8 +224,6 @@ class WorkerGroup:
         if self._stopped:
             return
         self._stopped = True
-        with _groups_lock:
-            LIVE_GROUPS.discard(self)
         if not ray.is_initialized():
             return
         for actor in self.actors.values():
@@ -220,6 +231,44 @@ class WorkerGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass  # already gone
+
+
+class WorkerProcess:
+    """One worker as torch's iterator shows its worker processes (``iterator._workers``):
+    ``pid``, ``is_alive()``, ``join(timeout)``, ``exitcode`` and ``terminate()``, for code
+    that checks that workers end (PyTorch's own DataLoader tests do). A fleet session
+    is alive until its iterator ends it (the fleet's process lives on)."""
+
+    def __init__(self, group: WorkerGroup | FleetGroup, worker_id: int, actor: Any,
+                 pid: int | None) -> None:
+        self._group, self.worker_id, self._actor, self.pid = group, worker_id, actor, pid
+
+    def is_alive(self) -> bool:
+        if isinstance(self._group, FleetGroup):
+            return not self._group.stopped
+        if not ray.is_initialized():
+            return False
+        info = ray._private.state.state.actor_table(self._actor._actor_id.hex())
+        return bool(info) and info.get("State") != "DEAD"
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.05)
+
+    @property
+    def exitcode(self) -> int | None:
+        """``None`` while alive, 0 if its iterator stopped it, 1 if it died otherwise."""
+        if self.is_alive():
+            return None
+        return 0 if self._group.stopped else 1
+
+    def terminate(self) -> None:
+        if isinstance(self._group, WorkerGroup) and ray.is_initialized():
+            try:
+                ray.kill(self._actor, no_restart=True)
+            except Exception:
+                pass  # gone already
 
 
 class FleetGroup:
@@ -259,6 +308,10 @@ class FleetGroup:
             return
         self._cancel(spec.worker_id)
         self._start_one(spec, shipped, choose_workers(self.fleet, 1)[0])
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
 
     def placement_warning(self, waiting: list[int]) -> str | None:
         return None  # the fleet's workers were placed by `dpex fleet start`
