@@ -11,6 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_quick_run_writes_table_json_and_plot(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -25,6 +26,7 @@ def test_bench_quick_run_writes_table_json_and_plot(tmp_path):
     assert "| cpu | dpex |" in proc.stdout and (tmp_path / "bench.png").stat().st_size > 5000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_scale_model_measures_the_costs_and_finds_the_limit():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

@@ -9,11 +9,11 @@ from dpex._codec import decode_batch, encode_batch
 
 Point = collections.namedtuple("Point", "x y")
 
-ALL_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
-    torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
-]
+# Every dtype this torch has (uint16/32/64 came with torch 2.3, float8 with 2.1).
+ALL_DTYPES = [getattr(torch, name) for name in (
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "uint8", "int8",
+    "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64", "float8_e4m3fn",
+) if hasattr(torch, name)]
 
 
 def roundtrip(obj):

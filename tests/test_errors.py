@@ -229,9 +229,11 @@ def test_a_batch_over_max_message_bytes_is_an_error_in_its_slot():
 def test_dataset_returning_device_tensors_gets_a_clear_error():
     loader = DpexDataLoader(dsets.OnDevice(4), batch_size=2, num_workers=1, distribute_mode=True)
     got, err = take_until_error(loader)
-    assert got == [] and isinstance(err, TypeError)
-    assert "Caught TypeError in DataLoader worker process 0" in str(err)
-    assert "tensor on device meta" in str(err)
+    # dpex's own check says so (TypeError; torch 2.13); an older torch (2.1, 2.6) already
+    # fails to collate such tensors (RuntimeError). Either way: in the batch's slot, named.
+    assert got == [] and isinstance(err, (TypeError, RuntimeError))
+    assert f"Caught {type(err).__name__} in DataLoader worker process 0" in str(err)
+    assert "meta" in str(err)
 
 
 def test_worker_with_other_versions_is_refused_at_handshake(monkeypatch):

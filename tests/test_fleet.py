@@ -14,7 +14,7 @@ import raycluster
 
 from dpex import DpexDataLoader, FleetError
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TRAINER = os.path.join(raycluster.HERE, "fleet_trainer.py")
 
 

@@ -15,7 +15,7 @@ import netns_cluster  # noqa: E402
 
 REASON = netns_cluster.available()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=str(REASON)),
-              pytest.mark.timeout(300)]
+              pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

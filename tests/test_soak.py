@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(240)]
 
 
 def test_short_soak_keeps_rss_and_fds_flat(tmp_path):

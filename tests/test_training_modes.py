@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BIN = os.path.dirname(sys.executable)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,14 @@ def test_mp_spawn_takes_the_loader_and_a_rank_that_ends_early_takes_nothing_with
     assert_same(expected, ranks[1]["batches"], "rank 1's epoch")
     assert_same(expected[:1], ranks[0]["batches"], "rank 0's one batch")
     assert ranks[0]["gcs"] != ranks[1]["gcs"]  # each rank has its own Ray
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example, done", [
+    ("lightning_example.py", "(loader: DpexDataLoader, distribute_mode=True)"),
+    ("accelerate_example.py", "(batches from a DpexDataLoader)"),
+    ("hf_trainer_example.py", "(batches from a DpexDataLoader)"),
+])
+def test_framework_examples_run(env, example, done):
+    out = run([sys.executable, os.path.join(ROOT, "examples", example), "--epochs", "1"], env)
+    assert done in out

@@ -65,8 +65,11 @@ class _Runtime:
         self.closed = False
 
     def open(self) -> None:
-        self.loop.start()
-        self.loop.run(self.session.open(), timeout=10.0)
+        # Generous: the garbage collector may run other objects' finalizers on the new
+        # thread before its loop starts; a torch iterator kept by a reference cycle (an
+        # exception's traceback) joins its worker processes there, 5 s each.
+        self.loop.start(timeout=60.0)
+        self.loop.run(self.session.open(), timeout=60.0)
 
     def close(self) -> None:
         if self.closed:
