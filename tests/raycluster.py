@@ -74,3 +74,22 @@ def run(cmd: list[str], env: dict, timeout: float = 240, check: bool = True
     if check:
         assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
+
+
+def run_together(cmds: list[list[str]], env: dict, timeout: float = 500) -> list[str]:
+    """Run ``cmds`` at the same time (independent processes: a torch run and a dpex run
+    of one script, say); return their stdouts once all succeeded."""
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for cmd in cmds]
+    outputs = []
+    try:
+        for cmd, proc in zip(cmds, procs, strict=True):
+            out, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"{cmd}\n{out[-3000:]}\n{err[-6000:]}"
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return outputs

@@ -8,7 +8,6 @@ must have been made by Ray workers. One process, and two ranks under torchrun.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -24,18 +23,23 @@ ROOT = os.path.dirname(HERE)
 APP = os.path.join(HERE, "accelerate_app.py")
 
 
-def run(loader: str, app: str, out, ranks: int = 1) -> list[dict]:
-    out.mkdir()
+def run_both(app: str, tmp_path, ranks: int = 1) -> tuple[list[dict], list[dict]]:
+    """The script with torch's loader and with dpex's, at the same time (alone, or as
+    ``ranks`` ranks under torchrun); each rank's record of each."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    cmd = [APP, "--loader", loader, "--app", app, "--out", str(out)]
-    if ranks > 1:
-        cmd = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-               "--master_addr=127.0.0.1", f"--master_port={raycluster.free_port()}", *cmd]
-    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True,
-                          timeout=500, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
+    cmds, outs = [], [tmp_path / loader for loader in ("torch", "dpex")]
+    for out in outs:
+        out.mkdir()
+        cmd = [APP, "--loader", out.name, "--app", app, "--out", str(out)]
+        if ranks > 1:
+            cmd = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                   "--master_addr=127.0.0.1", f"--master_port={raycluster.free_port()}", *cmd]
+        cmds.append([sys.executable, *cmd])
+    raycluster.run_together(cmds, env)
+    theirs, ours = ([torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
+                    for out in outs)
+    return theirs, ours
 
 
 def made_by_ray_workers(record: dict) -> bool:
@@ -45,8 +49,7 @@ def made_by_ray_workers(record: dict) -> bool:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_accelerate_training_equals_a_plain_torch_loop(tmp_path, ranks):
-    theirs = run("torch", "accelerate", tmp_path / "torch", ranks)
-    ours = run("dpex", "accelerate", tmp_path / "dpex", ranks)
+    theirs, ours = run_both("accelerate", tmp_path, ranks)
     assert len(theirs) == len(ours) == ranks
     for t, o in zip(theirs, ours, strict=True):
         assert len(o["batches"]) == len(t["batches"]) > 0
@@ -64,8 +67,7 @@ def test_accelerate_training_equals_a_plain_torch_loop(tmp_path, ranks):
 
 def test_transformers_trainer_with_dpex_loaders_equals_the_stock_trainer(tmp_path):
     pytest.importorskip("transformers")
-    (theirs,) = run("torch", "trainer", tmp_path / "torch")
-    (ours,) = run("dpex", "trainer", tmp_path / "dpex")
+    (theirs,), (ours,) = run_both("trainer", tmp_path)
     assert len(ours["batches"]) == len(theirs["batches"]) > 0
     assert_same(theirs["batches"], ours["batches"], "batches")
     assert_same(theirs["weights"], ours["weights"], "final weights")

@@ -6,10 +6,10 @@ starts it (no cluster, no RAY_ADDRESS), so every process starts its own Ray.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
+import raycluster
 import torch
 from dsets import assert_same
 
@@ -21,16 +21,19 @@ ROOT = os.path.dirname(HERE)
 APP = os.path.join(HERE, "lightning_app.py")
 
 
-def run(loader: str, scenario: str, out) -> list[dict]:
-    out.mkdir()
+def run_both(scenario: str, tmp_path) -> tuple[list[dict], list[dict]]:
+    """The script with torch's loader and with dpex's, at the same time; each rank's
+    record of each."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, APP, "--loader", loader, "--scenario", scenario,
-                           "--out", str(out)], capture_output=True, text=True, timeout=500,
-                          env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    ranks = sorted(out.glob("rank*.pt"))
-    return [torch.load(path, weights_only=False) for path in ranks]
+    outs = [tmp_path / loader for loader in ("torch", "dpex")]
+    for out in outs:
+        out.mkdir()
+    raycluster.run_together([[sys.executable, APP, "--loader", out.name, "--scenario", scenario,
+                              "--out", str(out)] for out in outs], env)
+    theirs, ours = ([torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
+                    for out in outs)
+    return theirs, ours
 
 
 def assert_same_training(theirs: dict, ours: dict) -> None:
@@ -47,8 +50,7 @@ def assert_dpex_workers_made(ours: dict, theirs: dict) -> None:
 
 
 def test_fit_with_datamodule_and_direct_loaders_then_predict_equal_torch(tmp_path):
-    (theirs,) = run("torch", "single", tmp_path / "torch")
-    (ours,) = run("dpex", "single", tmp_path / "dpex")
+    (theirs,), (ours,) = run_both("single", tmp_path)
     assert_same_training(theirs, ours)
     assert_same(theirs["predictions"], ours["predictions"], "predictions")
     for what in ("fit_datamodule", "fit_direct"):
@@ -63,8 +65,7 @@ def test_fit_with_datamodule_and_direct_loaders_then_predict_equal_torch(tmp_pat
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_ddp_ranks_get_torchs_per_rank_batches_from_dpex_workers(tmp_path, strategy):
-    theirs = run("torch", strategy, tmp_path / "torch")
-    ours = run("dpex", strategy, tmp_path / "dpex")
+    theirs, ours = run_both(strategy, tmp_path)
     assert len(theirs) == len(ours) == 2
     for rank in range(2):
         assert_same_training(theirs[rank], ours[rank])

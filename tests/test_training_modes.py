@@ -35,9 +35,13 @@ def run(cmd, env, timeout=240):
     return raycluster.run(cmd, env, timeout).stdout
 
 
+def torchrun_cmd(script, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--master_addr=127.0.0.1", f"--master_port={raycluster.free_port()}", script, *args]
+
+
 def torchrun(script, *args, env):
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                "--master_addr=127.0.0.1", f"--master_port={raycluster.free_port()}", script, *args], env)
+    return run(torchrun_cmd(script, *args), env)
 
 
 def test_ddp_ranks_get_exactly_torchs_batches_from_their_own_workers(env, tmp_path):
@@ -69,8 +73,9 @@ QUICK = ["--epochs", "1", "--max-batches", "4", "--batch-size", "50"]
 
 def test_single_device_example_trains_the_same_with_dpex_and_torch_workers(env):
     script = os.path.join(ROOT, "examples", "single_device.py")
-    dpex_out = run([sys.executable, script, *QUICK], env)
-    torch_out = run([sys.executable, script, *QUICK, "--torch-loader"], env)
+    dpex_out, torch_out = raycluster.run_together(
+        [[sys.executable, script, *QUICK], [sys.executable, script, *QUICK, "--torch-loader"]],
+        env, timeout=240)
     assert "dpex Ray workers" in dpex_out and "epoch 1/1" in dpex_out
     assert final_losses(dpex_out) == final_losses(torch_out) != []
 
@@ -82,8 +87,9 @@ def test_data_parallel_example_runs(env):
 
 def test_ddp_example_under_torchrun_and_mp_spawn(env):
     script = os.path.join(ROOT, "examples", "ddp.py")
-    by_torchrun = torchrun(script, *QUICK, env=env)
-    by_spawn = run([sys.executable, script, "--spawn", "2", *QUICK, "--torch-loader"], env)
+    by_torchrun, by_spawn = raycluster.run_together(
+        [torchrun_cmd(script, *QUICK),
+         [sys.executable, script, "--spawn", "2", *QUICK, "--torch-loader"]], env, timeout=240)
     assert "DDP: 2 ranks on cpu (gloo)" in by_torchrun
     # dpex under torchrun and torch's workers under mp.spawn: the same training.
     assert len(final_losses(by_torchrun)) == 2
@@ -119,11 +125,12 @@ def test_mp_spawn_takes_the_loader_and_a_rank_that_ends_early_takes_nothing_with
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example, done", [
-    ("lightning_example.py", "(loader: DpexDataLoader, distribute_mode=True)"),
-    ("accelerate_example.py", "(batches from a DpexDataLoader)"),
-    ("hf_trainer_example.py", "(batches from a DpexDataLoader)"),
-])
-def test_framework_examples_run(env, example, done):
-    out = run([sys.executable, os.path.join(ROOT, "examples", example), "--epochs", "1"], env)
-    assert done in out
+def test_framework_examples_run(env):
+    examples = {"lightning_example.py": "(loader: DpexDataLoader, distribute_mode=True)",
+                "accelerate_example.py": "(batches from a DpexDataLoader)",
+                "hf_trainer_example.py": "(batches from a DpexDataLoader)"}
+    outs = raycluster.run_together(
+        [[sys.executable, os.path.join(ROOT, "examples", name), "--epochs", "1"]
+         for name in examples], env, timeout=280)
+    for (name, done), out in zip(examples.items(), outs, strict=True):
+        assert done in out, f"{name}: {out[-2000:]}"
