@@ -9,7 +9,7 @@ Lightning ended up with, and which raylet started the processes that made the it
 
 Scenarios:
 - ``single``: ``Trainer.fit`` on one CPU device with a train and a val loader from a
-  LightningDataModule (fresh workers each epoch), then ``fit`` again with loaders
+  LightningDataModule (fresh workers for every iterator; one epoch), then ``fit`` again with loaders
   passed directly (persistent workers), then ``trainer.predict``;
   ``seed_everything(..., workers=True)`` seeds the workers.
 - ``ddp``: ``strategy="ddp"`` with 2 CPU processes and ``use_distributed_sampler=True``;
@@ -125,7 +125,7 @@ def main() -> None:
     if args.scenario == "single":
         pl.seed_everything(3, workers=True)
         model = Model()
-        t = trainer(devices=1, max_epochs=2)
+        t = trainer(devices=1, max_epochs=1)  # sanity check, train, val: 3 iterators
         t.fit(model, datamodule=Data(args.loader))
         out["fit_datamodule"] = describe(t.train_dataloader)
         # Loaders passed directly, with persistent workers: Lightning keeps these objects.
