@@ -26,6 +26,7 @@ labels) only takes its own region out of use, not its batch's or the ring's.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import secrets
@@ -51,6 +52,7 @@ _NONCE = slice(0, 16)
 _FLAGS = 1024  # one byte per ticket slot: 1 = the trainer freed that buffer
 TICKETS = 3072
 _DATA = 4096
+_PAGE = mmap.PAGESIZE
 _ALIGN = 64
 _HEAD = struct.Struct("<II")  # ring_id, n_buffers; then n × _EXTENT
 _EXTENT = struct.Struct("<QQQ")  # offset in the ring (or INLINE), size, ticket
@@ -114,6 +116,10 @@ class TrainerRing:
         self._map[_FLAGS:_FLAGS + TICKETS] = b"\x01" * TICKETS  # every ticket slot free
         self._lock = threading.Lock()
         self.ref = RingRef(ring_id, node_id, os.getpid(), self._fd, nonce, capacity)
+        self._live: dict[int, tuple[int, int]] = {}  # id -> (pos, size) of viewed spans
+        self._span_ids = itertools.count()
+        # After close: the mapping, alive only as long as some batch views it.
+        self._after_close: weakref.ref[mmap.mmap] | None = None
 
     def take(self, extents: Sequence[tuple[int, int, int]]) -> list[np.ndarray | None]:
         """Arrays over one message's ring buffers (``None`` for inline ones). Each
@@ -127,7 +133,10 @@ class TrainerRing:
                 out.append(None)
                 continue
             arr = np.frombuffer(self._map, np.uint8, size, _DATA + pos)
-            weakref.finalize(arr, self._free, ticket)
+            span = next(self._span_ids)
+            with self._lock:
+                self._live[span] = (pos, size)
+            weakref.finalize(arr, self._free, ticket, span)
             out.append(arr)
         return out
 
@@ -137,20 +146,47 @@ class TrainerRing:
             if pos != INLINE:
                 self._free(ticket)
 
-    def _free(self, ticket: int) -> None:
+    def _free(self, ticket: int, span: int | None = None) -> None:
         with self._lock:
+            where = self._live.pop(span, None) if span is not None else None
             if self._map is not None:
                 self._map[_FLAGS + ticket % TICKETS] = 1
+            elif where is not None and self._after_close is not None:
+                mapping = self._after_close()
+                if mapping is not None:
+                    self._punch(mapping, *where)  # closed: give its pages back
+
+    def _punch(self, mapping: mmap.mmap, pos: int, size: int) -> None:
+        """Give the whole pages inside ``[pos, pos + size)`` (data offsets) back to the
+        OS (MADV_REMOVE frees a memfd's pages). Spans never overlap, so no live view
+        touches a page wholly inside a free one. Lock held."""
+        start = (_DATA + pos + _PAGE - 1) // _PAGE * _PAGE
+        end = (_DATA + pos + size) // _PAGE * _PAGE
+        if end > start:
+            try:
+                mapping.madvise(mmap.MADV_REMOVE, start, end - start)
+            except (OSError, ValueError, AttributeError):
+                pass  # not supported here: the memory goes with the last view
 
     def close(self) -> None:
         """Close the fd and unmap (idempotent). Batches still alive keep the mapping
-        until they are garbage; the memory goes with the last of them."""
+        until they are garbage, but only the pages they view keep their memory: the
+        rest of the ring is given back now, and each view's pages when it goes."""
         if self._fd < 0:
             return
         os.close(self._fd)
         self._fd = -1
         with self._lock:
             mapping, self._map = self._map, None
+            if self._live:
+                self._after_close = weakref.ref(mapping)
+                # Free everything outside the live views: between them, page by page.
+                edges = sorted(self._live.values())
+                at = 0
+                for pos, size in edges + [(self.capacity, 0)]:
+                    if pos > at:
+                        self._punch(mapping, at, pos - at)
+                    at = max(at, pos + size)
         try:  # outside the lock: a collection here may run a finalizer that takes it
             mapping.close()
         except BufferError:

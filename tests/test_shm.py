@@ -231,3 +231,32 @@ def test_closing_leaves_no_memfd_and_live_batches_stay_readable():
     del kept
     gc.collect()
     assert _memfds() == before  # and then nothing of the ring is left in this process
+
+
+def test_tensors_kept_after_close_hold_their_pages_not_the_whole_ring():
+    """20 small tensors kept from a 64 MiB ring: once the ring is closed only the pages
+    they view keep memory."""
+    trainer = TrainerRing(0, 64 << 20, NODE)
+    worker = WorkerRing(trainer.ref, NODE)
+    probe = os.dup(trainer.ref.fd)  # to read the memfd's allocated size after close
+
+    def allocated_mib() -> float:
+        return os.fstat(probe).st_blocks * 512 / (1 << 20)
+
+    try:
+        kept = []
+        for i in range(20):  # batches of a small label and a big image, spread over the ring
+            label, image = worker.allocate(64), worker.allocate(3 << 20)
+            label[:], image[:] = i, i
+            spans, _ = send(trainer, worker, [label, image])
+            kept.append(spans[0])  # the loop keeps the labels only
+            del label, image, spans
+        before = allocated_mib()
+        assert before > 55, before  # the ring's pages were written
+        worker.close()
+        trainer.close()
+        after = allocated_mib()
+        assert after < 1, (before, after)  # the labels' pages (20 x 4 KiB), not 64 MiB
+        assert all(int(k[0]) == i for i, k in enumerate(kept))  # the kept ones still read
+    finally:
+        os.close(probe)
