@@ -28,6 +28,10 @@ class DpexConfig:
     (the same-node fast path); 0 turns it off.
     ``worker_pool``: the name of a running fleet (``dpex fleet start``) whose workers
     serve this loader's sessions instead of workers of its own.
+    ``lost_batch_timeout``: seconds a worker that holds tasks may send nothing before
+    they are presumed lost (a frame dropped with a connection) and computed again; None
+    derives it from the batch times seen (10 x the usual, at least 10 s, 60 s for an
+    IterableDataset, whose worker is replaced); 0 never presumes a batch lost.
     """
 
     distribute_mode: bool = False
@@ -38,6 +42,7 @@ class DpexConfig:
     max_worker_restarts: int = 3
     shm_ring_bytes: int = DEFAULT_RING_BYTES
     worker_pool: str | None = None
+    lost_batch_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.distribute_mode, bool):
@@ -60,6 +65,12 @@ class DpexConfig:
                 or not (self.shm_ring_bytes == 0 or self.shm_ring_bytes >= 1 << 20)):
             raise ValueError(
                 f"shm_ring_bytes must be 0 (off) or an int >= 1 MiB, got {self.shm_ring_bytes!r}")
+        if self.lost_batch_timeout is not None and (
+                isinstance(self.lost_batch_timeout, bool)
+                or not isinstance(self.lost_batch_timeout, (int, float))
+                or not self.lost_batch_timeout >= 0):
+            raise ValueError("lost_batch_timeout must be None (derived), 0 (off) or a number "
+                             f"of seconds > 0, got {self.lost_batch_timeout!r}")
         if self.worker_pool is not None:
             if not isinstance(self.worker_pool, str) or not self.worker_pool:
                 raise ValueError(f"worker_pool must be a fleet's name, got {self.worker_pool!r}")

@@ -8,6 +8,10 @@ Every message is a ZeroMQ multipart message::
 
     version:u8  kind:u8  session_id:16s  epoch:u32  seq:i64  worker_id:u16  n_buffers:u32
 
+``seq`` is a data message's batch number; in a control message from the trainer it
+numbers the messages sent to one worker incarnation (0, 1, 2, ...), and the worker
+accepts each number once, in increasing order (``_security.ControlFreshness``).
+
 ``mac`` is a keyed BLAKE2b digest (16 bytes) over the header, the body and the
 size of every buffer, under the session key that the trainer gives its workers
 through Ray (never on a ZeroMQ port). ``body`` is a pickle (protocol 5) and

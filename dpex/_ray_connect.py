@@ -9,7 +9,7 @@ import urllib.parse
 
 import ray
 
-from dpex.errors import RayConnectionError
+from dpex.errors import DpexError, RayConnectionError
 
 __all__ = ["connect_ray", "node_address", "would_start_embedded"]
 
@@ -119,6 +119,7 @@ def _join(address: str, named: str) -> None:
 
 
 ADVERTISE_ENV = "DPEX_ADVERTISE_ADDRESS"
+PORT_RANGE_ENV = "DPEX_PORT_RANGE"
 
 
 def node_address() -> str:
@@ -131,13 +132,17 @@ def node_address() -> str:
     override = os.environ.get(ADVERTISE_ENV)
     if override:
         return override
+    if ray.util.client.ray.is_connected():
+        # Ray Client: this process runs off the cluster, so no Ray node address is its own.
+        raise DpexError(
+            f"with Ray Client (ray://...) the workers must reach this process, which is not "
+            f"a Ray node: set {ADVERTISE_ENV} to an address of this machine that the "
+            f"cluster's nodes can reach, and {PORT_RANGE_ENV} to ports open to them")
     me = ray.get_runtime_context().get_node_id()
     if all(node["NodeID"] == me for node in ray.nodes() if node.get("Alive")):
         return "127.0.0.1"
     return ray.util.get_node_ip_address()
 
-
-PORT_RANGE_ENV = "DPEX_PORT_RANGE"
 
 
 def port_range() -> tuple[int, int]:

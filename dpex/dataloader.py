@@ -86,6 +86,7 @@ class DpexDataLoader(DataLoader[T_co]):
         max_worker_restarts: int = 3,
         shm_ring_bytes: int = DEFAULT_RING_BYTES,
         worker_pool: str | None = None,
+        lost_batch_timeout: float | None = None,
     ) -> None:
         if isinstance(batch_size, bool):
             raise TypeError(
@@ -94,7 +95,7 @@ class DpexDataLoader(DataLoader[T_co]):
             )
         config = DpexConfig(distribute_mode, head_address, dict(ray_remote_args or {}),
                             startup_timeout, max_message_bytes, max_worker_restarts,
-                            shm_ring_bytes, worker_pool)
+                            shm_ring_bytes, worker_pool, lost_batch_timeout)
         # Public attributes named like the parameters: frameworks (Lightning) rebuild the
         # loader from them, so they must exist under exactly these names.
         self.distribute_mode = config.distribute_mode
@@ -105,6 +106,7 @@ class DpexDataLoader(DataLoader[T_co]):
         self.max_worker_restarts = config.max_worker_restarts
         self.shm_ring_bytes = config.shm_ring_bytes
         self.worker_pool = config.worker_pool
+        self.lost_batch_timeout = config.lost_batch_timeout
         self._reset_runtime_state()
         recorded_before = _LIGHTNING_RECORD in self.__dict__
         torch_kwargs: dict[str, Any] = {
@@ -222,7 +224,7 @@ class DpexDataLoader(DataLoader[T_co]):
         """dpex's settings as one validated, frozen object."""
         return DpexConfig(self.distribute_mode, self.head_address, dict(self.ray_remote_args),
                           self.startup_timeout, self.max_message_bytes, self.max_worker_restarts,
-                          self.shm_ring_bytes, self.worker_pool)
+                          self.shm_ring_bytes, self.worker_pool, self.lost_batch_timeout)
 
     @property
     def _distributed(self) -> bool:

@@ -1,16 +1,21 @@
-"""How fast dpex notices a killed worker and has its replacement serving.
+"""How long the training loop waits when a worker dies or a batch is lost.
 
-Kills (SIGKILL) one worker mid-epoch, N times, and prints a markdown table:
-detection (kill → Ray reports the death), replacement ready (kill → its HELLO),
-the longest gap between two batches the training loop saw, and whether the
-epoch matched torch's DataLoader exactly.
+``--mode kill`` (default) kills (SIGKILL) one worker mid-epoch, N times, and prints
+a markdown table: detection (kill → Ray reports the death), replacement ready
+(kill → its HELLO; "-" when the survivors finished the epoch first), the longest
+gap between two batches the training loop saw, and whether the epoch matched
+torch's DataLoader exactly. ``--mode lose`` instead makes worker 1 lose one data
+message on the way (its socket drops it) in the middle of its tasks ("gap") and
+its last one ("silence"), and prints the longest gap and exactness of each.
 
     python scripts/fault_times.py --trials 5
+    python scripts/fault_times.py --mode lose --trials 3
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import statistics
@@ -36,6 +41,50 @@ class Items(Dataset):
         return torch.tensor([i, i * i])
 
 
+def lose(worker_id: int, seq: int) -> None:
+    """worker_init_fn: worker 1's socket drops the data message of batch ``seq``."""
+    if worker_id != 1:
+        return
+    import struct
+
+    import zmq
+
+    send = zmq.Socket.send_multipart
+
+    def send_multipart(self, frames, *args, **kwargs):
+        head = memoryview(frames[0]).tobytes()
+        if len(head) == 36 and head[1] in (1, 4) and struct.unpack_from("<q", head, 22)[0] == seq:
+            return None
+        return send(self, frames, *args, **kwargs)
+
+    zmq.Socket.send_multipart = send_multipart
+
+
+def exact(got, expected) -> bool:
+    return len(got) == len(expected) and all(torch.equal(a, b)
+                                             for a, b in zip(got, expected, strict=True))
+
+
+def lose_trial(args, where: str) -> dict:
+    kw = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    dataset = Items(args.items, args.delay)
+    n = len(dataset) // 4
+    seq = args.kill_after + 1 if where == "gap" else n - 1  # worker 1 has the odd batches
+    torch.manual_seed(1)
+    expected = list(DataLoader(dataset, multiprocessing_context="forkserver", **kw))
+    torch.manual_seed(1)
+    it = iter(DpexDataLoader(dataset, distribute_mode=True, timeout=120,
+                             worker_init_fn=functools.partial(lose, seq=seq), **kw))
+    got, gaps, last = [next(it)], [], time.monotonic()
+    for batch in it:
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+        got.append(batch)
+    return {"gap": max(gaps), "exact": exact(got, expected),
+            "lost": it.stats()["dropped"].get("lost", 0)}
+
+
 def trial(args) -> dict:
     kw = {"batch_size": 4, "shuffle": True, "num_workers": args.workers}
     dataset = Items(args.items, args.delay)
@@ -55,10 +104,33 @@ def trial(args) -> dict:
             t_kill = time.monotonic()
             os.kill(it._ready[1]["pid"], signal.SIGKILL)
     rec = it.stats()["recoveries"][0]
-    exact = len(got) == len(expected) and all(torch.equal(a, b)
-                                              for a, b in zip(got, expected, strict=True))
-    return {"detect": rec["reported_at"] - t_kill, "ready": rec["ready_at"] - t_kill,
-            "gap": max(gaps[args.kill_after:]), "exact": exact}
+    ready = rec["ready_at"] - t_kill if "ready_at" in rec else None
+    return {"detect": rec["reported_at"] - t_kill, "ready": ready,
+            "gap": max(gaps[args.kill_after:]), "exact": exact(got, expected)}
+
+
+def ms(values: list) -> str:
+    vals = [v * 1000 for v in values if v is not None]
+    if not vals:
+        return "- | - | -"
+    return f"{statistics.median(vals):.0f} | {min(vals):.0f} | {max(vals):.0f}"
+
+
+def main_lose(args) -> None:
+    rows: dict[str, list[dict]] = {"gap": [], "silence": []}
+    for i in range(args.trials):
+        for where, results in rows.items():
+            results.append(lose_trial(args, where))
+            r = results[-1]
+            print(f"trial {i + 1}/{args.trials} ({where}): longest stall "
+                  f"{r['gap'] * 1000:.0f} ms, lost {r['lost']}, exact={r['exact']}", flush=True)
+    print("\n| batch lost | longest wait for a batch (ms): median | min | max | epochs exact |")
+    print("|---|---:|---:|---:|---:|")
+    for where, label in (("gap", "mid-epoch (a later result overtakes it)"),
+                         ("silence", "a worker's last (found by silence)")):
+        results = rows[where]
+        print(f"| {label} | {ms([r['gap'] for r in results])} | "
+              f"{sum(r['exact'] for r in results)}/{len(results)} |")
 
 
 def main() -> None:
@@ -68,24 +140,30 @@ def main() -> None:
     p.add_argument("--items", type=int, default=400)
     p.add_argument("--delay", type=float, default=0.005)
     p.add_argument("--kill-after", type=int, default=10)
+    p.add_argument("--mode", choices=["kill", "lose"], default="kill")
     args = p.parse_args()
     connect_ray("auto")  # as a user's first loader does
+    if args.mode == "lose":
+        try:
+            main_lose(args)
+        finally:
+            ray.shutdown()
+        return
     rows = []
     try:
         for i in range(args.trials):
             rows.append(trial(args))
             r = rows[-1]
+            ready = "-" if r["ready"] is None else f"{r['ready'] * 1000:.0f} ms"
             print(f"trial {i + 1}/{args.trials}: detected {r['detect'] * 1000:.0f} ms, "
-                  f"replacement ready {r['ready'] * 1000:.0f} ms, longest stall "
+                  f"replacement ready {ready}, longest stall "
                   f"{r['gap'] * 1000:.0f} ms, exact={r['exact']}", flush=True)
     finally:
         ray.shutdown()
     print("\n| figure | median | min | max |\n|---|---:|---:|---:|")
     for key, name in (("detect", "kill → death reported"), ("ready", "kill → replacement ready"),
                       ("gap", "longest wait for a batch after the kill")):
-        vals = [r[key] * 1000 for r in rows]
-        print(f"| {name} (ms) | {statistics.median(vals):.0f} | {min(vals):.0f} | "
-              f"{max(vals):.0f} |")
+        print(f"| {name} (ms) | {ms([r[key] for r in rows])} |")
     print(f"\nepochs exactly torch's: {sum(r['exact'] for r in rows)}/{len(rows)}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import struct
 import time
 
 import numpy as np
@@ -320,3 +321,32 @@ class OnDevice(Squares):
 
     def __getitem__(self, i: int):
         return torch.empty(2, device="meta")
+
+
+def lossy(worker_id: int, victim: int, seqs: tuple[int, ...], once: str = "") -> None:
+    """worker_init_fn: worker ``victim`` loses the first data message of each of ``seqs``
+    (with ``once``, a file path: only the first process of that worker to get here)."""
+    if worker_id != victim:
+        return
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+    import zmq
+
+    from dpex._protocol import DATA_KINDS, HEADER_SIZE
+
+    send = zmq.Socket.send_multipart
+    left = set(seqs)
+
+    def send_multipart(self, frames, *args, **kwargs):
+        head = memoryview(frames[0]).tobytes() if frames else b""
+        if len(head) == HEADER_SIZE:
+            kind, seq = head[1], struct.unpack_from("<q", head, 22)[0]
+            if kind in DATA_KINDS and seq in left:
+                left.discard(seq)
+                return None  # gone on the way
+        return send(self, frames, *args, **kwargs)
+
+    zmq.Socket.send_multipart = send_multipart

@@ -95,10 +95,10 @@ def test_past_max_worker_restarts_the_error_names_the_worker_and_node():
     next(it)
     kill(ready_pids(it)[1])
     with pytest.raises(WorkerDiedError) as err:
-        for _ in it:
-            if it.stats()["dropped"].get("restarted") == 1 and len(it._ready) == 2:
-                kill(it._ready[1]["pid"])
-                break
+        # (worker 0 goes on with the epoch meanwhile: wait for the replacement to kill it)
+        while not (it.stats()["dropped"].get("restarted") == 1 and len(it._ready) == 2):
+            it._receive_one()
+        kill(it._ready[1]["pid"])
         for _ in it:
             pass
     msg = str(err.value)

@@ -32,3 +32,15 @@ def test_held_counts_until_consumed_and_reset_forgets_the_epoch():
     with pytest.raises(ValueError, match="already dispatched"):
         ledger.dispatch(3, 0, None)
         ledger.dispatch(3, 1, None)
+
+
+def test_a_reassigned_task_moves_with_its_hold_and_only_its_new_owner_counts():
+    ledger = TaskLedger(3)
+    ledger.dispatch(0, 1, [0, 1])
+    ledger.dispatch(1, 1, [2, 3])
+    assert ledger.reassign(1, 2) == [2, 3]
+    assert ledger.outstanding(1) == [(0, [0, 1])] and ledger.outstanding(2) == [(1, [2, 3])]
+    assert (ledger.held(1), ledger.held(2)) == (1, 1) and ledger.worker_of(1) == 2
+    assert ledger.received(1) and ledger.delivered(2) == 1 and ledger.delivered(1) == 0
+    with pytest.raises(ValueError, match="not outstanding"):
+        ledger.reassign(1, 0)

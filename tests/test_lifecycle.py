@@ -136,3 +136,36 @@ def test_workers_are_listed_like_torchs_and_end_with_their_iterator():
     for w in workers:
         w.join(10)
         assert not w.is_alive() and w.exitcode == 0
+
+
+def test_a_forked_child_dropping_the_iterator_leaves_the_parents_workers_alone():
+    """A child forked while an iterator lives holds a copy of it; when the child drops
+    that copy and exits, the parent's workers, sockets and loop thread stay the parent's."""
+    import os
+
+    torch.manual_seed(2)
+    expected = list(dsets.torch_loader(dsets.Squares(40), batch_size=2, shuffle=True,
+                                       num_workers=2))
+    torch.manual_seed(2)
+    it = iter(DpexDataLoader(dsets.Squares(40), batch_size=2, shuffle=True, num_workers=2,
+                             distribute_mode=True, timeout=60))
+    got = [next(it)]
+    while len(it._ready) < 2:
+        it._receive_one()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            del it
+            gc.collect()
+            time.sleep(1.0)  # what the child's reaper would do, it would have done now
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            pytest.fail("the child hung dropping its copy")
+        time.sleep(0.05)
+    got += list(it)
+    assert_same(expected, got, "epoch")
+    assert it.stats()["dropped"].get("restarted", 0) == 0

@@ -25,8 +25,9 @@ class Evil:
         return (os.system, (f"touch {self.path}",))
 
 
-def attack(data_address, control_address, session_id, marker):
-    """Everything an on-path attacker who saw the session id could send, on both ports."""
+def attack(data_address, control_address, session_id, marker, keys=None):
+    """Everything a peer who knew the session id could send, on both ports; ``keys``:
+    the workers' CURVE keys (a peer without them is refused in the handshake)."""
     ctx = zmq.Context()
     forger = Wire(session_id, os.urandom(32))  # right session, wrong key
     push = ctx.socket(zmq.PUSH)
@@ -34,6 +35,8 @@ def attack(data_address, control_address, session_id, marker):
     for s in (push, dealer):
         s.setsockopt(zmq.LINGER, 5000)  # closing waits (at most 5 s) until all is delivered
         s.setsockopt(zmq.SNDTIMEO, 5000)
+        if keys is not None:
+            keys.apply(s)
     dealer.setsockopt(zmq.IDENTITY, b"w0")
     push.connect(data_address)
     dealer.connect(control_address)
@@ -48,8 +51,8 @@ def attack(data_address, control_address, session_id, marker):
         push.send_multipart([b"x" * 36, b"y" * 16, b"z"])
         push.send_multipart([bytes(2 << 20)])  # over max_message_bytes: dropped by ZeroMQ
     finally:
-        push.close()
-        dealer.close()
+        push.close(0 if keys is None else 5000)
+        dealer.close(0 if keys is None else 5000)
         ctx.term()
     for address in (data_address, control_address):
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
@@ -58,7 +61,8 @@ def attack(data_address, control_address, session_id, marker):
             raw.sendall(os.urandom(4096))
 
 
-def test_attacks_during_an_epoch_change_nothing(tmp_path):
+@pytest.mark.parametrize("peer", ["stranger", "holder of the workers' CURVE key"])
+def test_attacks_during_an_epoch_change_nothing(tmp_path, peer):
     marker = tmp_path / "pwned"
     kw = {"batch_size": 3, "shuffle": True, "num_workers": 2}
     torch.manual_seed(5)
@@ -68,14 +72,18 @@ def test_attacks_during_an_epoch_change_nothing(tmp_path):
                             max_message_bytes=1 << 20, timeout=30, **kw)
     it = iter(loader)
     got = [next(it)]
+    insider = peer != "stranger"
     attack(it._session.data_address, it._session.control_address, it._session.session_id,
-           marker)
+           marker, it._session.keys.client if insider else None)
     got += list(it)
     assert_same(expected, got, "epoch")
     time.sleep(0.2)
     assert not marker.exists()
     rejected = it.stats()["rejected"]
-    assert rejected.get("mac", 0) >= 4, rejected  # all data forgeries, at least
-    assert rejected.get("frame-count", 0) >= 1, rejected
+    if not insider:  # its two sockets failed the CURVE handshake
+        assert rejected.get("handshake", 0) >= 2, rejected
+    else:  # past CURVE, the MAC and the checks before it still stop everything
+        assert rejected.get("mac", 0) >= 4, rejected  # all data forgeries, at least
+        assert rejected.get("frame-count", 0) >= 1, rejected
     assert loader.stats()["rejected"] == rejected  # the loader reports its newest iterator
     assert DpexDataLoader(dsets.Squares(2), distribute_mode=True).stats() == {}

@@ -14,6 +14,7 @@ from dpex._protocol import Kind, Message, Wire, worker_identity
 from dpex._ray_connect import port_range
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
+from dpex.errors import ProtocolError
 
 WIRE = Wire.new()
 
@@ -45,6 +46,8 @@ def fake_worker(session):
     for sock in (ctrl, data):
         sock.setsockopt(zmq.LINGER, 0)
     ctrl.setsockopt(zmq.IDENTITY, worker_identity(0, 0))
+    for sock in (ctrl, data):
+        session.keys.client.apply(sock)
     ctrl.connect(session.control_address)
     data.connect(session.data_address)
     yield ctrl, data
@@ -139,6 +142,7 @@ def test_hellos_arriving_while_tasks_are_sent_are_all_seen():
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.IDENTITY, worker_identity(w, 0))
+        sess.keys.client.apply(s)
         s.connect(sess.control_address)
         socks.append(s)
         s.send_multipart(sess.wire.encode(Kind.HELLO, worker_id=w, payload={}))
@@ -232,3 +236,33 @@ def test_sockets_bind_inside_dpex_port_range(monkeypatch):
         monkeypatch.setenv("DPEX_PORT_RANGE", bad)
         with pytest.raises(ValueError, match="DPEX_PORT_RANGE"):
             port_range()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_tasks_over_max_message_bytes_are_split_and_one_alone_too_big_is_an_error():
+    handoff = queue.SimpleQueue()
+    sess = TrainerSession(Wire.new(max_message_bytes=1024), "127.0.0.1", handoff)
+    await sess.open()
+    ctx = zmq.asyncio.Context()
+    ctrl = ctx.socket(zmq.DEALER)
+    ctrl.setsockopt(zmq.LINGER, 0)
+    ctrl.setsockopt(zmq.IDENTITY, worker_identity(0, 0))
+    sess.keys.client.apply(ctrl)
+    ctrl.connect(sess.control_address)
+    try:
+        await ctrl.send_multipart(sess.wire.encode(Kind.HELLO, worker_id=0, payload={}))
+        await next_event(handoff)
+        tasks = [(seq, list(range(seq * 100, seq * 100 + 100))) for seq in range(8)]
+        sess.send_tasks(0, 1, tasks)  # 2.2 KB pickled, ~0.2 KB a task: 4 messages
+        got, messages = [], 0
+        while len(got) < len(tasks):
+            msg = sess.wire.decode(await asyncio.wait_for(ctrl.recv_multipart(), 5))
+            got += msg.payload
+            messages += 1
+        assert got == tasks and 2 < messages < len(tasks)
+        with pytest.raises(ProtocolError, match="indices of batch 9 .*max_message_bytes"):
+            sess.send_tasks(0, 1, [(9, list(range(1000)))])
+    finally:
+        ctx.destroy(0)
+        await sess.close()

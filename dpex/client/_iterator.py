@@ -29,6 +29,7 @@ from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Message, Wire
 from dpex._ray_connect import connect_ray, node_address
+from dpex._reaper import finalizer_for
 from dpex._shm import RingRef
 from dpex._version import local_versions
 from dpex.client._credits import CreditWindow
@@ -47,6 +48,12 @@ __all__ = ["RayDataLoaderIter"]
 _POLL_S = 5.0
 # How long workers may take to start before dpex checks whether they wait for resources.
 _PLACEMENT_GRACE_S = 2.0
+# A worker silent this long (and at least _LOST_FACTOR x its usual time per batch) while
+# it holds tasks has lost them, unless DpexDataLoader(lost_batch_timeout=...) says otherwise.
+_LOST_FLOOR_S = 10.0
+_LOST_FLOOR_ITERABLE_S = 60.0  # its worker is replaced, not just asked again: be patient
+_LOST_FACTOR = 10.0
+_LOST_CHECK_S = 1.0  # how often the training thread looks for lost batches while it waits
 logger = logging.getLogger("dpex")
 _iterator_ids = itertools.count()
 
@@ -103,7 +110,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         number = next(_iterator_ids)
         label = f"iterator {number} of a DpexDataLoader over {type(self._dataset).__name__}"
         self._runtime = _Runtime(f"dpex-loop-{number}", self._handoff, config, label)
-        self._finalizer = weakref.finalize(self, self._runtime.close)
+        # Dropped without being closed: torn down on dpex's reaper thread (see _reaper).
+        self._finalizer = weakref.finalize(self, finalizer_for(self._runtime.close))
         self._session = self._runtime.session
         self._loop = self._runtime.loop
         self._ring_bytes = config.shm_ring_bytes
@@ -116,6 +124,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                     num_workers=self._num_workers, base_seed=self._base_seed,
                     data_address=self._session.data_address,
                     control_address=self._session.control_address,
+                    keys=self._session.keys.client,
                     niceness=os.getpriority(os.PRIO_PROCESS, 0),
                     shared_seed=self._shared_seed, ring=self._new_ring(w),
                     pooled=config.worker_pool is not None,
@@ -136,6 +145,14 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._max_restarts = config.max_worker_restarts
         self._worker_shared_seed = self._shared_seed  # what a replacement starts with
         self._ledger = TaskLedger(self._num_workers)
+        self._lost_timeout = config.lost_batch_timeout
+        self._starting: set[int] = set()  # replacements not yet ready: no new tasks
+        self._send_order: dict[int, int] = {}  # seq -> when it was (last) sent, in order
+        self._sends = itertools.count()
+        self._progress = [time.monotonic()] * self._num_workers  # last result, per worker
+        self._delivered_any: set[int] = set()  # workers (incarnations) that sent a result
+        self._batch_times: collections.deque[float] = collections.deque(maxlen=64)
+        self._lost_check_at = time.monotonic() + _LOST_CHECK_S
         self._credits = CreditWindow(self._prefetch_factor * self._num_workers)
         self._buffer = OrderingBuffer(self._in_order)
         self._epoch = 0
@@ -151,6 +168,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._credits.reset()
         self._ledger.reset()
         self._send_idx = 0
+        self._send_order.clear()
+        self._worker_tasks: list[list[tuple[int, Any]]] = [[] for _ in range(self._num_workers)]
+        self._ended_at: dict[int, int] = {}  # send order of each worker's END this epoch
         self._active = [True] * self._num_workers
         self._worker_cycle = itertools.cycle(range(self._num_workers))
         if not first_iter:
@@ -165,13 +185,18 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
 
     def _next_active_worker(self) -> int | None:
         """torch's choice: the next active worker in turn; with ``in_order=False`` only
-        one holding fewer than its share of the window, so a slow worker cannot hoard it."""
+        one holding fewer than its share of the window, so a slow worker cannot hoard it.
+        A map-style dataset's replacement that is still starting is passed over while
+        another worker can take the batch (an IterableDataset's shard is its worker's)."""
         share = self._credits.capacity // max(1, sum(self._active))
+        fallback = None
         for _ in range(self._num_workers):
             w = next(self._worker_cycle)
             if self._active[w] and (self._in_order or self._ledger.held(w) < share):
-                return w
-        return None
+                if w not in self._starting or self._dataset_kind == _DatasetKind.Iterable:
+                    return w
+                fallback = w if fallback is None else fallback
+        return fallback
 
     def _dispatch(self, n: int) -> None:
         """Draw up to ``n`` index batches, as credits allow, and send them as tasks."""
@@ -190,7 +215,11 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 break
             self._credits.acquire()
             seq, self._send_idx = self._send_idx, self._send_idx + 1
+            if not self._ledger.outstanding(w):
+                self._progress[w] = time.monotonic()  # its clock starts with its first task
             self._ledger.dispatch(seq, w, index)
+            self._send_order[seq] = next(self._sends)
+            self._worker_tasks[w].append((seq, index))
             tasks[w].append((seq, index))
         for w, batch in tasks.items():
             self._loop.call_soon(self._session.send_tasks, w, self._epoch, batch)
@@ -218,10 +247,13 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._dispatch(1)
 
     def _pop_ready(self) -> tuple[int, Message] | None:
-        # Slots given to an IterableDataset worker that is already exhausted hold nothing.
+        # Slots given to an IterableDataset worker after the task that found its shard
+        # exhausted hold nothing (one before it that is missing was lost: it is redone).
         while self._buffer.next_seq < self._send_idx:
             seq = self._buffer.next_seq
-            if seq in self._buffer or self._active[self._ledger.worker_of(seq)]:
+            w = self._ledger.worker_of(seq)
+            if (seq in self._buffer or self._active[w]
+                    or self._send_order.get(seq, -1) < self._ended_at.get(w, -1)):
                 break
             self._buffer.skip(seq)
             self._consume(seq)
@@ -251,6 +283,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         """Wait for one event from the loop thread or Ray and apply it."""
         if self._runtime.closed:
             raise DpexError("this dpex iterator was closed")
+        if time.monotonic() >= self._lost_check_at:
+            self._check_lost()
         event = self._wait_event()
         if isinstance(event, list):  # data messages that arrived together
             for msg in event:
@@ -261,6 +295,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._on_exit(event)
         elif isinstance(event, LoopFailure):
             self._shutdown_workers()
+            if isinstance(event.error, DpexError):  # one of dpex's own: it says what
+                raise event.error
             raise DpexError(f"the dpex event loop failed: {event.error!r}") from event.error
 
     def _wait_event(self) -> Any:
@@ -279,6 +315,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             except queue.Empty:
                 pass
             wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            wait = min(wait, self._lost_check_at - time.monotonic())  # lost batches?
+            if wait <= 0:
+                self._check_lost()
+                continue
             if starting and self._placement_check_at is not None:
                 wait = min(wait, self._placement_check_at - time.monotonic())
                 if wait <= 0:
@@ -301,16 +341,97 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         if msg.epoch != self._epoch or owner is None:
             self._counters["stale"] += 1
             return
-        if msg.worker_id != owner:
+        if msg.worker_id != owner and (self._dataset_kind == _DatasetKind.Iterable
+                                       or msg.seq not in self._send_order):
             self._counters["misrouted"] += 1
             return
-        if not self._ledger.received(msg.seq):  # e.g. late, from a worker presumed dead
+        # (A map-style batch given to another worker may come from its first owner: the
+        # same batch, and the first copy to arrive counts.)
+        fresh = self._ledger.received(msg.seq)
+        if msg.worker_id == owner:
+            now = time.monotonic()
+            if owner in self._delivered_any:  # the first batch includes loading: not usual
+                self._batch_times.append(now - self._progress[owner])
+            self._delivered_any.add(owner)
+            self._progress[owner] = now
+            self._find_gaps(owner, msg.seq)  # a duplicate can overtake a loss too
+        if not fresh:  # e.g. late, from a worker presumed dead; or redone
             self._counters["duplicate"] += 1
             return
         if msg.kind is Kind.END:
             self._active[msg.worker_id] = False
+            self._ended_at[msg.worker_id] = self._send_order.get(msg.seq, -1)
         if not self._buffer.put(msg.seq, msg):
             self._counters["stale"] += 1
+
+    # -- lost batches --------------------------------------------------------------
+
+    def _find_gaps(self, w: int, seq: int) -> None:
+        """A worker computes and sends its tasks in the order it got them, over one
+        connection: a result of ``w`` that overtook an earlier task of ``w`` means that
+        task (or its result) was lost on the way (a reconnect after a link cut, say)."""
+        order = self._send_order.get(seq)
+        lost = [task for task in self._ledger.outstanding(w)
+                if order is not None and self._send_order.get(task[0], order) < order]
+        if lost:
+            self._counters["lost"] += len(lost)
+            self._recompute(w, lost)
+
+    def _check_lost(self) -> None:
+        """A worker that holds tasks and has sent nothing for the lost-batch timeout
+        lost them (a frame or task dropped with a connection): compute them again."""
+        now = time.monotonic()
+        self._lost_check_at = now + _LOST_CHECK_S
+        limit = self._lost_limit()
+        if limit is None:
+            return
+        for w in self._delivered_any & set(self._ready):  # past its start-up and first batch
+            if now - self._progress[w] > limit:
+                tasks = self._ledger.outstanding(w)
+                if tasks:
+                    self._counters["lost"] += len(tasks)
+                    self._progress[w] = now  # judged again only after another timeout
+                    self._recompute(w, tasks)
+
+    def _lost_limit(self) -> float | None:
+        if self._lost_timeout is not None:
+            return self._lost_timeout or None  # 0: never presume a batch lost
+        usual = sorted(self._batch_times)[int(0.9 * len(self._batch_times))] \
+            if self._batch_times else 0.0
+        floor = _LOST_FLOOR_ITERABLE_S if self._dataset_kind == _DatasetKind.Iterable \
+            else _LOST_FLOOR_S
+        return max(floor, _LOST_FACTOR * usual)
+
+    def _recompute(self, w: int, tasks: list[tuple[int, Any]]) -> None:
+        """Have ``tasks`` of worker ``w`` computed again: a map-style batch by the ready
+        worker holding least (``w`` itself if it is alone), an IterableDataset's by a
+        replacement of ``w`` (only it can produce the rest of its shard), which starts
+        after what ``w`` delivered."""
+        if self._dataset_kind == _DatasetKind.Iterable:
+            self._counters["replaced_for_lost"] += 1
+            self._runtime.workers.kill(w)  # Ray reports the exit; _on_exit replaces it
+            return
+        self._hand_over(w, tasks, keep_owner_if_alone=True)
+
+    def _hand_over(self, w: int, tasks: list[tuple[int, Any]],
+                   keep_owner_if_alone: bool = False) -> bool:
+        """Give map-style ``tasks`` of ``w`` to the other ready workers at once; False if
+        there is none (they wait for ``w``'s replacement)."""
+        others = [v for v in self._ready if v != w and self._active[v]
+                  and v not in self._starting]
+        if not others:
+            if not keep_owner_if_alone:
+                return False
+            others = [w]
+        sent: dict[int, list[tuple[int, Any]]] = collections.defaultdict(list)
+        for seq, _ in tasks:
+            v = min(others, key=self._ledger.held)
+            sent[v].append((seq, self._ledger.reassign(seq, v)))
+            self._send_order[seq] = next(self._sends)
+        for v, batch in sent.items():
+            self._counters["handed_over"] += len(batch) if v != w else 0
+            self._loop.call_soon(self._session.send_tasks, v, self._epoch, batch)
+        return True
 
     def _on_hello(self, hello: WorkerHello) -> None:
         theirs, ours = hello.info.get("versions"), local_versions()
@@ -323,6 +444,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             )
         self._ready[hello.worker_id] = hello.info
         self._known[hello.worker_id] = hello.info
+        self._starting.discard(hello.worker_id)
+        self._progress[hello.worker_id] = time.monotonic()
         for rec in self._recoveries:
             if rec["worker"] == hello.worker_id and "ready_at" not in rec:
                 rec["ready_at"] = time.monotonic()
@@ -365,6 +488,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._incarnation[w] += 1
         self._counters["restarted"] += 1
         self._ready.pop(w, None)
+        self._delivered_any.discard(w)
         self._startup_deadline = time.monotonic() + self._startup_timeout
         self._placement_check_at = time.monotonic() + _PLACEMENT_GRACE_S
         old = self._specs[w].ring
@@ -375,12 +499,23 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             shared_seed=self._worker_shared_seed, ring=self._new_ring(w))
         self._loop.call_soon(self._session.expect, w, spec.incarnation)
         self._runtime.workers.restart(spec, self._shipped)
-        if self._dataset_kind == _DatasetKind.Iterable and self._ledger.delivered(w):
-            self._loop.call_soon(self._session.send, w, Kind.SKIP, self._epoch,
-                                 self._ledger.delivered(w))
+        self._starting.add(w)
         tasks = self._ledger.outstanding(w)
+        if self._dataset_kind == _DatasetKind.Iterable:
+            # The shard is this worker's: the replacement passes over the batches before
+            # the first one missing, then redoes every task from there on (results that
+            # did arrive come again as duplicates and are dropped).
+            given = self._worker_tasks[w]
+            first = min((seq for seq, _ in tasks), default=None)
+            at = next((i for i, (seq, _) in enumerate(given) if seq == first), len(given))
+            if at:
+                self._loop.call_soon(self._session.send, w, Kind.SKIP, self._epoch, at)
+            tasks = given[at:]
+        elif self._hand_over(w, tasks):
+            return  # the survivors compute them now; the replacement takes new tasks
         if tasks:
             self._counters["redispatched"] += len(tasks)
+            self._send_order.update((seq, next(self._sends)) for seq, _ in tasks)
             self._loop.call_soon(self._session.send_tasks, w, self._epoch, tasks)
 
     def _new_ring(self, worker_id: int) -> RingRef | None:
@@ -416,8 +551,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
 
     def _shutdown_workers(self) -> None:
         """Stop the actors, close the sockets and join the loop thread (idempotent);
-        leave the final counters with the loader, for ``loader.stats()``."""
-        self._finalizer()
+        leave the final counters with the loader, for ``loader.stats()``. Here, on the
+        training thread: an explicit end, not garbage collection."""
+        self._finalizer.detach()
+        self._runtime.close()
         loader = self._loader_ref()
         if loader is not None:
             loader._final_stats = self.stats()

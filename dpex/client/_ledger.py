@@ -38,6 +38,16 @@ class TaskLedger:
         self._indices[seq] = indices
         self._held[worker_id] += 1
 
+    def reassign(self, seq: int, worker_id: int) -> Any:
+        """Give the outstanding task ``seq`` to ``worker_id`` (its worker died or its
+        result is overdue); its indices. A result from the former owner no longer counts."""
+        if seq not in self._indices:
+            raise ValueError(f"task {seq} is not outstanding")
+        self._held[self._worker[seq]] -= 1
+        self._worker[seq] = worker_id
+        self._held[worker_id] += 1
+        return self._indices[seq]
+
     def worker_of(self, seq: int) -> int | None:
         """The worker a live (not consumed) task belongs to; None if there is no such task."""
         return self._worker.get(seq)

@@ -2,7 +2,9 @@
 
 It owns the two sockets of one iterator: a bound PULL socket where workers push
 data messages, and a bound ROUTER socket that carries tasks and control
-messages to each worker's DEALER. Received messages are validated, decoded and
+messages to each worker's DEALER. Both are CURVE servers on a context of the
+session's own, whose ZAP handler admits only this iterator's workers (see
+``_security``). Received messages are validated, decoded and
 put on the thread-safe ``handoff`` queue that the training thread reads, as a
 list of the data messages that arrived together; nothing else crosses threads.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import queue
 from typing import Any
 
@@ -19,6 +22,7 @@ import zmq.asyncio
 
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
 from dpex._ray_connect import port_range
+from dpex._security import Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
 from dpex.client._events import LoopFailure, WorkerHello
 from dpex.errors import ProtocolError
@@ -26,6 +30,8 @@ from dpex.errors import ProtocolError
 __all__ = ["TrainerSession"]
 
 _MAX_BURST = 64  # data messages handed to the training thread at once, at most
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class TrainerSession:
@@ -41,23 +47,37 @@ class TrainerSession:
         self.received_in_ring = 0
         self.rings: dict[int, TrainerRing] = {}
         self.unroutable = 0
-        self._ctx = zmq.asyncio.Context.instance()
+        self.keys = SessionKeys.new()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._admission: Admission | None = None
         self._data: zmq.asyncio.Socket | None = None
         self._ctrl: zmq.asyncio.Socket | None = None
         self._ready: set[int] = set()
         self._identities: dict[int, bytes] = {}
         self._pending: dict[int, list[list[bytes]]] = collections.defaultdict(list)
+        # Control messages are numbered per worker incarnation (a replay is rejected).
+        self._ctrl_seq: dict[int, itertools.count] = collections.defaultdict(itertools.count)
         self._tasks: list[asyncio.Task] = []
         self.data_address = ""
         self.control_address = ""
 
     async def open(self) -> None:
         """Bind both sockets on ``host`` (random ports) and start receiving."""
+        # A context of its own: its ZAP handler answers for this session's sockets only.
+        self._ctx = zmq.asyncio.Context()
+        self._admission = Admission(self._ctx, self.keys)
+        self._admission.start()
         self._data = self._ctx.socket(zmq.PULL)
         self._ctrl = self._ctx.socket(zmq.ROUTER)
         for sock in (self._data, self._ctrl):
             sock.setsockopt(zmq.LINGER, 0)
+            self.keys.serve(sock)
+            keep_alive(sock)
         self._ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Only a holder of the workers' key gets this far, so a worker that reconnects
+        # (after a link cut) takes its route over at once instead of being refused
+        # until the old connection times out.
+        self._ctrl.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # No frame bigger than a whole valid message is even buffered.
         for sock in (self._data, self._ctrl):
             sock.setsockopt(zmq.MAXMSGSIZE, self.wire.max_message_bytes)
@@ -73,7 +93,20 @@ class TrainerSession:
             asyncio.ensure_future(self._guard(self._receive_data())),
             asyncio.ensure_future(self._guard(self._receive_control())),
             asyncio.ensure_future(self._guard(self._ping())),
+            *(asyncio.ensure_future(self._guard(self._count_refused(sock)))
+              for sock in (self._data, self._ctrl)),
         ]
+
+    async def _count_refused(self, sock: zmq.asyncio.Socket) -> None:
+        """Count the connections whose handshake failed (no or a wrong key, another
+        protocol): they were dropped before libzmq read any message from them."""
+        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                self.rejected["handshake"] += 1
+        finally:
+            monitor.close(0)
 
     async def _guard(self, coro: Any) -> None:
         try:
@@ -87,7 +120,13 @@ class TrainerSession:
         assert self._data is not None
         while True:
             ready: list[Message] = []
-            self._accept(await self._data.recv_multipart(copy=False), ready)
+            try:
+                frames = await self._data.recv_multipart(copy=False)
+            except zmq.Again:
+                # libzmq said readable, then had nothing: a pipe ending (a peer gone, or
+                # refused in its handshake) wakes the socket without a message.
+                continue
+            self._accept(frames, ready)
             # What else has arrived already goes in the same hand-off: one wake-up of
             # the training thread per burst of batches, not one per batch.
             for _ in range(_MAX_BURST - 1):
@@ -124,7 +163,10 @@ class TrainerSession:
     async def _receive_control(self) -> None:
         assert self._ctrl is not None
         while True:
-            identity, *frames = await self._ctrl.recv_multipart()
+            try:
+                identity, *frames = await self._ctrl.recv_multipart()
+            except zmq.Again:  # woken by a pipe ending, not a message (as above)
+                continue
             try:
                 msg = self.wire.decode(frames)
             except ProtocolError as exc:
@@ -161,6 +203,7 @@ class TrainerSession:
         self._identities[worker_id] = worker_identity(worker_id, incarnation)
         self._ready.discard(worker_id)
         self._pending.pop(worker_id, None)
+        self._ctrl_seq.pop(worker_id, None)
 
     def _send(self, worker_id: int, frames: list[bytes]) -> None:
         # Through the asyncio socket, never a shadow of it: a send on a shadow consumes
@@ -170,21 +213,46 @@ class TrainerSession:
                                          flags=zmq.NOBLOCK)
         exc = done.exception() if done.done() else None
         if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
-            # The worker went away; Ray reports its exit, which the iterator acts on.
+            # No connection to the worker now: it died (Ray reports that, and the
+            # iterator replaces it) or its connection was lost and it reconnects. Hold
+            # this and later messages until it announces itself again (a new HELLO).
             self.unroutable += 1
+            self._ready.discard(worker_id)
+            self._pending[worker_id].append(frames)
         elif exc is not None:
             raise exc
 
     def send(self, worker_id: int, kind: Kind, epoch: int, payload: Any = None) -> None:
         """Send a control message to one worker, queued until its HELLO arrives."""
-        frames = self.wire.encode(kind, epoch, -1, worker_id, payload)
+        self._deliver(worker_id, self._encode(worker_id, kind, epoch, payload))
+
+    def _encode(self, worker_id: int, kind: Kind, epoch: int, payload: Any) -> list[bytes]:
+        return self.wire.encode(kind, epoch, next(self._ctrl_seq[worker_id]), worker_id,
+                                payload)
+
+    def _deliver(self, worker_id: int, frames: list[bytes]) -> None:
         if worker_id in self._ready:
             self._send(worker_id, frames)
         else:
             self._pending[worker_id].append(frames)
 
     def send_tasks(self, worker_id: int, epoch: int, tasks: list[tuple[int, Any]]) -> None:
-        self.send(worker_id, Kind.TASKS, epoch, tasks)
+        """Send tasks in as few messages as ``max_message_bytes`` allows. Raises
+        :class:`ProtocolError` (``too-large``) for a task over the limit on its own: the
+        worker would drop it unseen."""
+        frames = self._encode(worker_id, Kind.TASKS, epoch, tasks)
+        if len(frames[2]) <= self.wire.max_message_bytes:
+            self._deliver(worker_id, frames)
+        elif len(tasks) > 1:
+            half = len(tasks) // 2
+            self.send_tasks(worker_id, epoch, tasks[:half])
+            self.send_tasks(worker_id, epoch, tasks[half:])
+        else:
+            seq = tasks[0][0]
+            raise ProtocolError(
+                "too-large", f"the indices of batch {seq} take {len(frames[2]):,} bytes, over "
+                f"max_message_bytes={self.wire.max_message_bytes:,}: raise "
+                "DpexDataLoader(max_message_bytes=...) or use smaller batches")
 
     def counters(self) -> dict:
         """A copy of the counters, taken on the loop thread (where they change)."""
@@ -199,8 +267,9 @@ class TrainerSession:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for sock in (self._data, self._ctrl):
-            if sock is not None:
-                sock.close(0)
+        if self._admission is not None:
+            self._admission.stop()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)  # the sockets, monitors and the ZAP socket
         for ring in self.rings.values():
             ring.close()

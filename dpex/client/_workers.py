@@ -194,6 +194,15 @@ class WorkerGroup:
         node = choose_nodes(1)[0] if not self.reserving else None
         self._start_one(spec, shipped, node)
 
+    def kill(self, worker_id: int) -> None:
+        """End a worker presumed broken; Ray reports its exit (and the iterator replaces it)."""
+        actor = self.actors.get(worker_id)
+        if actor is not None and not self._stopped:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass  # already gone
+
     @property
     def stopped(self) -> bool:
         return self._stopped
@@ -308,6 +317,11 @@ class FleetGroup:
             return
         self._cancel(spec.worker_id)
         self._start_one(spec, shipped, choose_workers(self.fleet, 1)[0])
+
+    def kill(self, worker_id: int) -> None:
+        """End this iterator's session on a worker presumed broken (the fleet's process
+        lives on); its exit is reported and the iterator replaces it."""
+        self._cancel(worker_id)
 
     @property
     def stopped(self) -> bool:

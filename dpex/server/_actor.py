@@ -9,16 +9,21 @@ each result as one multipart message to the trainer's PULL socket.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import queue
 import threading
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from dpex._protocol import Kind, ProtocolError, worker_identity
+from dpex._ray_connect import ADVERTISE_ENV, PORT_RANGE_ENV
+from dpex._security import ControlFreshness, connect_promptly
 from dpex._shm import RingUnavailable, WorkerRing
 from dpex._version import local_versions
+from dpex.errors import WorkerStartupError
 from dpex.server._worker_state import WorkerSpec, WorkerState
 
 __all__ = ["DpexWorker"]
@@ -61,6 +66,45 @@ class _Session:
         self.epoch_floor = 0  # tasks of earlier epochs (abandoned) are skipped
 
 
+class _ConnectionLog:
+    """What happened to the control socket's connection (ZeroMQ's monitor events), for
+    the error that says why the trainer was never heard from."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, hello: list | None = None) -> None:
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket()
+        self.events: collections.Counter[str] = collections.Counter()
+        self.hello = hello  # sent again on every reconnection
+
+    async def run(self) -> None:
+        while True:
+            event = parse_monitor_message(await self.monitor.recv_multipart())["event"]
+            name = getattr(event, "name", str(event))
+            self.events[name] += 1
+            if name == "HANDSHAKE_SUCCEEDED" and self.events[name] > 1 and self.hello:
+                # A new connection after a lost one (heartbeats closed it, a link cut):
+                # announce again, so the trainer sends what it held back meanwhile.
+                await self.sock.send_multipart(self.hello)
+
+    def unreachable(self, spec: WorkerSpec, node: str, waited: float) -> WorkerStartupError:
+        seen = ", ".join(f"{name} x{n}" for name, n in self.events.items()) or "none"
+        failed = [name for name in self.events if name.startswith("HANDSHAKE_FAILED")]
+        why = (f"the security handshake failed ({', '.join(failed)}): do trainer and "
+               "workers run the same dpex version?" if failed else
+               "the trainer's address or port is not reachable from this node (a firewall, "
+               f"or an address of the trainer's host that this node cannot route to): set "
+               f"{ADVERTISE_ENV} to an address of the trainer's host that the workers can "
+               f"reach, and {PORT_RANGE_ENV} (e.g. 50000-50100) to ports the firewall lets "
+               "through")
+        return WorkerStartupError(
+            f"dpex worker {spec.worker_id} on node {node} heard nothing from the trainer at "
+            f"{spec.control_address} (data: {spec.data_address}) within {waited:g} s; "
+            f"{why}. Socket events: {seen}")
+
+    def close(self) -> None:
+        self.monitor.close(0)
+
+
 class DpexWorker:
     """Ray actor class (wrapped with ``ray.remote`` by the trainer side, or started
     detached by ``dpex fleet start``). It serves any number of sessions at once,
@@ -72,7 +116,8 @@ class DpexWorker:
         self.placement = _placement()
         self._sessions: set[_Session] = set()
         self._lock = threading.Lock()
-        self._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0}
+        self._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
+                          "control_rejected": 0}
 
     def where(self) -> dict:
         return self.placement
@@ -116,20 +161,25 @@ class DpexWorker:
         self._sessions.add(session)
         with self._lock:
             self._counters["sessions_served"] += 1
+        log: _ConnectionLog | None = None
+        watcher: asyncio.Future | None = None
         try:
             ctrl.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation))
-            ctrl.connect(spec.control_address)
+            spec.keys.apply(ctrl)
+            connect_promptly(ctrl)
             hello = {"versions": local_versions(), **self.placement,
                      "niceness": os.getpriority(os.PRIO_PROCESS, 0), "transport": transport}
+            hello_frames = spec.wire.encode(Kind.HELLO, worker_id=spec.worker_id, payload=hello)
+            log = _ConnectionLog(ctrl, hello_frames)
+            watcher = asyncio.ensure_future(log.run())
+            ctrl.connect(spec.control_address)
             # HELLO as soon as the actor is up: start-up time is placement and process start.
             # Loading the dataset and worker_init_fn count, as in torch, towards the
             # first batch (and torch's ``timeout``).
-            await ctrl.send_multipart(
-                spec.wire.encode(Kind.HELLO, worker_id=spec.worker_id, payload=hello)
-            )
+            await ctrl.send_multipart(hello_frames)
             compute.start()
-            reader = asyncio.ensure_future(self._read_control(ctrl, spec, inbox, session))
+            reader = asyncio.ensure_future(self._read_control(ctrl, spec, inbox, session, log))
             stopper = asyncio.ensure_future(session.stop.wait())
             try:
                 await asyncio.wait({reader, stopper, done}, return_when=asyncio.FIRST_COMPLETED)
@@ -146,6 +196,11 @@ class DpexWorker:
             inbox.put(None)
             if compute.is_alive():
                 await loop.run_in_executor(None, compute.join, 10.0)
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+            if log is not None:
+                log.close()
             ctrl.close(0)
             ctx.term()
             if ring is not None and not compute.is_alive():
@@ -160,6 +215,8 @@ class DpexWorker:
         data = ctx.socket(zmq.PUSH)
         data.setsockopt(zmq.LINGER, 0)
         data.setsockopt(zmq.SNDTIMEO, 500)  # so a send never outlives ``halt`` for long
+        spec.keys.apply(data)
+        connect_promptly(data)
         data.connect(spec.data_address)
         try:
             node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
@@ -172,10 +229,10 @@ class DpexWorker:
                 if item is None:
                     break
                 if item[0] is _RESUME:
-                    state.resume(item[1])
+                    state.resume(item[1], epoch=item[2])
                     continue
                 if item[0] is _SKIP:
-                    state.skip(item[1])
+                    state.skip(item[1], epoch=item[2])
                     continue
                 epoch, seq, indices = item
                 if epoch < session.epoch_floor:
@@ -197,24 +254,35 @@ class DpexWorker:
         loop.call_soon_threadsafe(_settle, done, *outcome)
 
     async def _read_control(self, ctrl: zmq.asyncio.Socket, spec: WorkerSpec,
-                            inbox: queue.SimpleQueue, session: _Session) -> None:
+                            inbox: queue.SimpleQueue, session: _Session,
+                            log: _ConnectionLog | None = None) -> None:
+        fresh = ControlFreshness()
+        heard = False
         while True:
             try:
                 frames = await asyncio.wait_for(ctrl.recv_multipart(), self.session_timeout)
             except asyncio.TimeoutError:
-                return  # the trainer stopped pinging: it is gone, the session ends
+                if heard or log is None:
+                    return  # the trainer stopped pinging: it is gone, the session ends
+                node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
+                raise log.unreachable(spec, node, self.session_timeout) from None
+            heard = True
             try:
                 msg = spec.wire.decode(frames)
             except ProtocolError:
+                continue
+            if not fresh.accept(msg.seq):  # delivered before (a replay) or out of order
+                with self._lock:
+                    self._counters["control_rejected"] += 1
                 continue
             if msg.kind is Kind.TASKS:
                 for seq, indices in msg.payload:
                     inbox.put((msg.epoch, seq, indices))
             elif msg.kind is Kind.RESUME:
                 session.epoch_floor = msg.epoch  # tasks of earlier epochs are skipped
-                inbox.put((_RESUME, msg.payload))
+                inbox.put((_RESUME, msg.payload, msg.epoch))
             elif msg.kind is Kind.SKIP:
-                inbox.put((_SKIP, msg.payload))
+                inbox.put((_SKIP, msg.payload, msg.epoch))
             elif msg.kind is Kind.STOP:
                 session.stop.set()
 

@@ -23,6 +23,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex._protocol import Kind, ProtocolError, Wire
+from dpex._security import ClientKeys
 from dpex._shm import RingRef, WorkerRing, collating_into
 from dpex.errors import BatchTooLargeError, WorkerStartupError
 
@@ -51,6 +52,7 @@ class WorkerSpec:
     base_seed: int
     data_address: str
     control_address: str
+    keys: ClientKeys  # CURVE: the trainer's public key and the workers' key pair
     niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
     shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
     incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement
@@ -154,7 +156,7 @@ class WorkerState:
         )
         torch_worker._worker_info = self.info
         self.exhausted = False
-        self._to_skip = 0
+        self._skip: tuple[int, int] | None = None  # (epoch, batches) to fast-forward
         self.init_error: ExceptionWrapper | None = None
         self.fetcher = None
         try:
@@ -183,23 +185,29 @@ class WorkerState:
             detail += f", batch {seq}, indices {shown if len(shown) <= 200 else shown[:197] + '...'}"
         return f"{where} ({detail})"
 
-    def resume(self, shared_seed: int | None = None) -> None:
-        """Start a new epoch on a persistent worker: a fresh fetcher, as torch does."""
+    def resume(self, shared_seed: int | None = None, epoch: int = 0) -> None:
+        """Start epoch ``epoch`` on a persistent worker: a fresh fetcher, as torch does.
+        A fast-forward still pending from an earlier epoch is dropped with it."""
         with self._turn():
             torch_worker._worker_info = self.info
             self.exhausted = False
+            self._skip = None
             self._seed_datapipe(shared_seed)
             self.fetcher = self._new_fetcher()
 
-    def skip(self, n: int) -> None:
+    def skip(self, n: int, epoch: int) -> None:
         """A replacement's fast-forward: the first ``n`` batches of this worker's
-        IterableDataset shard were delivered by its predecessor. They are passed over
-        before the next task, with that task's (placeholder) index."""
+        IterableDataset shard in ``epoch`` were delivered by its predecessor. They are
+        passed over before the next task of that epoch, with its (placeholder) index;
+        a task of a later epoch (or a RESUME) drops it: a new epoch starts the shard
+        anew, as in torch."""
         if self.loader.dataset_kind == _DatasetKind.Iterable:
-            self._to_skip += n
+            self._skip = (epoch, n)
 
-    def _fast_forward(self, indices: Any) -> None:
-        n, self._to_skip = self._to_skip, 0
+    def _fast_forward(self, epoch: int, indices: Any) -> None:
+        (skip_epoch, n), self._skip = self._skip, None
+        if skip_epoch != epoch:
+            return
         for _ in range(n):
             try:
                 self.fetcher.fetch(indices)
@@ -220,8 +228,8 @@ class WorkerState:
         if self.init_error is not None:  # once, as torch; later tasks find no fetcher
             error, self.init_error = self.init_error, None
             return wire.encode(Kind.ERROR, epoch, seq, wid, error)
-        if self._to_skip and self.fetcher is not None:
-            self._fast_forward(indices)
+        if self._skip is not None and self.fetcher is not None:
+            self._fast_forward(epoch, indices)
         if self.exhausted:
             return wire.encode(Kind.END, epoch, seq, wid)
         try:
@@ -249,8 +257,19 @@ class WorkerState:
 
     def _error(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         wrapper = ExceptionWrapper(where=self._where(seq, indices))
+        wire, wid = self.spec.wire, self.spec.worker_id
         try:
-            return self.spec.wire.encode(Kind.ERROR, epoch, seq, self.spec.worker_id, wrapper)
+            frames = wire.encode(Kind.ERROR, epoch, seq, wid, wrapper)
         except Exception:  # an exception type that cannot be pickled: keep its text
             wrapper.exc_type = RuntimeError
-            return self.spec.wire.encode(Kind.ERROR, epoch, seq, self.spec.worker_id, wrapper)
+            frames = wire.encode(Kind.ERROR, epoch, seq, wid, wrapper)
+        over = len(frames[2]) - wire.max_message_bytes
+        if over > 0:  # the trainer would drop it unseen, and wait for the slot forever
+            text = wrapper.exc_msg
+            keep = max(0, (len(text) - over - 512) // 2)  # 512: room for the note
+            wrapper.exc_msg = (
+                f"{text[:keep]}\n[... {len(text) - 2 * keep:,} characters of this error "
+                f"message cut: it is over max_message_bytes={wire.max_message_bytes:,} ...]\n"
+                f"{text[len(text) - keep:] if keep else ''}")
+            frames = wire.encode(Kind.ERROR, epoch, seq, wid, wrapper)
+        return frames

@@ -1,0 +1,80 @@
+"""Lost frames and dead workers: nothing hangs, nothing is lost or repeated.
+
+The lossy transport is a worker_init_fn that makes one worker's data socket drop the
+data messages of chosen batches (as a connection that dies with them queued would):
+the worker lives on and knows nothing of it.
+"""
+
+import functools
+import os
+import signal
+import time
+
+import dsets
+import pytest
+import torch
+from dsets import assert_same
+
+from dpex import DpexDataLoader
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
+
+
+def run(dataset, kw, expected_seed=3, **dpex_kw):
+    torch.manual_seed(expected_seed)  # torch's loader over a lossless transport
+    expected = list(dsets.torch_loader(dataset, **{**kw, "worker_init_fn": None}))
+    torch.manual_seed(expected_seed)
+    loader = DpexDataLoader(dataset, distribute_mode=True, timeout=60, **kw, **dpex_kw)
+    it = iter(loader)
+    got = list(it)
+    return expected, got, it.stats()
+
+
+def test_a_lost_batch_overtaken_by_a_later_one_is_computed_again_at_once():
+    kw = {"batch_size": 2, "shuffle": True, "num_workers": 2,
+          "worker_init_fn": functools.partial(dsets.lossy, victim=1, seqs=(3, 7))}
+    start = time.monotonic()
+    expected, got, stats = run(dsets.Squares(40, max_sleep=0.01), kw)
+    assert_same(expected, got, "epoch")
+    assert stats["dropped"]["lost"] == 2, stats
+    # found by the gap, not by the 10 s silence rule
+    assert time.monotonic() - start < 10 + 30, "took the silence timeout"
+
+
+def test_the_last_batch_of_a_worker_lost_is_found_by_its_silence():
+    kw = {"batch_size": 2, "shuffle": False, "num_workers": 2,
+          "worker_init_fn": functools.partial(dsets.lossy, victim=1, seqs=(19,))}
+    expected, got, stats = run(dsets.Squares(40, max_sleep=0.005), kw, lost_batch_timeout=2)
+    assert_same(expected, got, "epoch")
+    assert stats["dropped"]["lost"] == 1, stats
+
+
+def test_an_iterable_shard_with_a_lost_batch_is_resumed_by_a_replacement_exactly(tmp_path):
+    kw = {"batch_size": 2, "num_workers": 2,
+          "worker_init_fn": functools.partial(dsets.lossy, victim=0, seqs=(4,),
+                                              once=str(tmp_path / "lost-once"))}
+    expected, got, stats = run(dsets.ShardedRange(40, max_sleep=0.005), kw)
+    assert_same(expected, got, "epoch")
+    assert stats["dropped"]["lost"] >= 1 and stats["dropped"]["restarted"] == 1, stats
+
+
+def test_a_dead_workers_tasks_go_to_the_survivors_before_its_replacement_is_up():
+    """The epoch's remaining batches need no replacement: they come from worker 0 while
+    worker 1's replacement is still starting (seconds here)."""
+    kw = {"batch_size": 2, "shuffle": True, "num_workers": 2}
+    dataset = dsets.Squares(40, max_sleep=0.002)
+    torch.manual_seed(4)
+    expected = list(dsets.torch_loader(dataset, **kw))
+    torch.manual_seed(4)
+    it = iter(DpexDataLoader(dataset, distribute_mode=True, timeout=60, **kw))
+    got = [next(it) for _ in range(3)]
+    while len(it._ready) < 2:
+        it._receive_one()
+    os.kill(it._ready[1]["pid"], signal.SIGKILL)
+    got += list(it)
+    done = time.monotonic()
+    assert_same(expected, got, "epoch")
+    stats = it.stats()
+    assert stats["dropped"].get("handed_over", 0) >= 1, stats
+    recovery = stats["recoveries"][0]
+    assert done < recovery.get("ready_at", float("inf")), recovery

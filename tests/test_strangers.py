@@ -1,0 +1,267 @@
+"""Strangers on a trainer's ports and replayed control messages, without Ray: a
+session on its own loop thread, fake workers on loopback, raw ZMTP attackers."""
+
+import asyncio
+import queue
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from attackers import rss_bytes, zmtp_flood
+
+from dpex._event_loop import LoopThread
+from dpex._protocol import Kind, Wire, worker_identity
+from dpex._security import ControlFreshness, SessionKeys
+from dpex.client._events import WorkerHello
+from dpex.client._session import TrainerSession
+from dpex.server._actor import DpexWorker
+
+pytestmark = pytest.mark.timeout(120)
+MiB = 1 << 20
+
+
+@pytest.fixture
+def live_session():
+    handoff = queue.SimpleQueue()
+    loop = LoopThread("dpex-test-loop")
+    sess = TrainerSession(Wire.new(64 * MiB), "127.0.0.1", handoff)
+    loop.start()
+    loop.run(sess.open(), 5)
+    yield sess, loop, handoff
+    loop.stop(cleanup=sess.close)
+
+
+def events(handoff, want, timeout=10.0):
+    """Events from the hand-off queue until ``want(event)`` holds; the matching one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            event = handoff.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if want(event):
+            return event
+    raise TimeoutError("the awaited event never came")
+
+
+def genuine_worker(sess, ctx, worker_id=0):
+    """A worker with this iterator's keys: DEALER and PUSH, HELLO sent."""
+    ctrl, data = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
+    for sock in (ctrl, data):
+        sock.setsockopt(zmq.LINGER, 0)
+        sess.keys.client.apply(sock)
+    ctrl.setsockopt(zmq.IDENTITY, worker_identity(worker_id, 0))
+    ctrl.connect(sess.control_address)
+    data.connect(sess.data_address)
+    ctrl.send_multipart(sess.wire.encode(Kind.HELLO, worker_id=worker_id, payload={}))
+    return ctrl, data
+
+
+def test_an_endless_multipart_message_from_a_stranger_costs_the_trainer_no_memory(
+        live_session):
+    """libzmq keeps an unfinished multipart message whole, and MAXMSGSIZE bounds only a
+    frame: without authentication 200 MORE-frames of 1 MiB each (per port) stay in the
+    trainer. A stranger now fails the CURVE handshake before libzmq reads one frame."""
+    sess, loop, handoff = live_session
+    before = rss_bytes()
+    sent: list[int] = []
+    floods = [threading.Thread(target=lambda a=address: sent.append(
+        zmtp_flood(a, frames=200, frame_bytes=MiB)))
+        for address in (sess.data_address, sess.control_address)]
+    for t in floods:
+        t.start()
+    for t in floods:
+        t.join(60)
+    grown = rss_bytes() - before
+    assert grown < 32 * MiB, f"the trainer grew by {grown / MiB:.0f} MiB"
+    assert all(n < 8 * MiB for n in sent), sent  # the connection was closed early
+    ctx = zmq.Context()
+    try:  # and the genuine worker still gets through
+        ctrl, data = genuine_worker(sess, ctx)
+        events(handoff, lambda e: isinstance(e, WorkerHello))
+        data.send_multipart(sess.wire.encode_data(1, 0, 0, torch.arange(3)), copy=False)
+        batch = events(handoff, lambda e: isinstance(e, list))
+        assert torch.equal(batch[0].payload, torch.arange(3))
+    finally:
+        ctx.destroy(0)
+    assert loop.run(sess.snapshot(), 5)["rejected"]["handshake"] >= 2
+
+
+def test_a_stranger_cannot_claim_a_workers_route(live_session):
+    """Worker identities are predictable (w0.0): a stranger who connects first with one
+    must neither own the route nor delay the genuine worker."""
+    sess, loop, handoff = live_session
+    ctx = zmq.Context()
+    try:
+        strangers = []
+        for keys in (None, SessionKeys.new().client):  # no key; a key of its own
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, worker_identity(0, 0))
+            if keys is not None:  # the trainer's public key is no secret: it knows it
+                s.setsockopt(zmq.CURVE_SERVERKEY, sess.keys.public)
+                s.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+                s.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+            s.connect(sess.control_address)
+            s.send_multipart(sess.wire.encode(Kind.HELLO, worker_id=0, payload={}))
+            strangers.append(s)
+        zmtp_flood(sess.control_address, 1, 10, b"DEALER", identity=worker_identity(0, 0))
+        ctrl, _ = genuine_worker(sess, ctx)
+        hello = events(handoff, lambda e: isinstance(e, WorkerHello), timeout=5)
+        assert hello.worker_id == 0
+        loop.call_soon(sess.send_tasks, 0, 1, [(0, [1, 2])])
+        assert ctrl.poll(5000), "the task went to someone else"
+        task = sess.wire.decode(ctrl.recv_multipart())
+        assert task.kind is Kind.TASKS and task.payload == [(0, [1, 2])]
+        assert not any(s.poll(200) for s in strangers)
+        assert loop.run(sess.snapshot(), 5)["rejected"]["handshake"] >= 3
+    finally:
+        ctx.destroy(0)
+
+
+def test_control_messages_are_numbered_per_worker_and_anew_for_a_replacement(
+        live_session):
+    sess, loop, handoff = live_session
+    ctx = zmq.Context()
+    try:
+        ctrl, _ = genuine_worker(sess, ctx)
+        events(handoff, lambda e: isinstance(e, WorkerHello))
+        for i in range(3):
+            loop.call_soon(sess.send_tasks, 0, 1, [(i, [i])])
+        assert [sess.wire.decode(ctrl.recv_multipart()).seq for _ in range(3)] == [0, 1, 2]
+        loop.call_soon(sess.expect, 0, 1)  # a replacement: incarnation 1
+        loop.call_soon(sess.send_tasks, 0, 1, [(0, [0])])  # queued until its HELLO
+        replacement = ctx.socket(zmq.DEALER)
+        replacement.setsockopt(zmq.LINGER, 0)
+        replacement.setsockopt(zmq.IDENTITY, worker_identity(0, 1))
+        sess.keys.client.apply(replacement)
+        replacement.connect(sess.control_address)
+        replacement.send_multipart(sess.wire.encode(Kind.HELLO, worker_id=0, payload={}))
+        assert replacement.poll(5000)
+        assert sess.wire.decode(replacement.recv_multipart()).seq == 0
+    finally:
+        ctx.destroy(0)
+
+
+def test_freshness_accepts_increasing_numbers_once():
+    fresh = ControlFreshness()
+    assert [fresh.accept(s) for s in (0, 1, 1, 0, 3, 2, 4)] == [
+        True, True, False, False, True, False, True]
+    assert fresh.rejected == 3
+
+
+@pytest.mark.asyncio
+async def test_a_replayed_or_reordered_control_message_is_rejected_and_counted():
+    """A worker acts on each control message once: a TASKS message delivered again
+    (or an older one after a newer) neither repeats nor drops a shard's batches."""
+    wire = Wire.new()
+    worker = DpexWorker.__new__(DpexWorker)  # its control reader only: no Ray here
+    worker.session_timeout = 30.0
+    worker._lock = threading.Lock()
+    worker._counters = {"control_rejected": 0}
+    ctx = zmq.asyncio.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    for s in (router, dealer):
+        s.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IDENTITY, b"w")
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    await dealer.send(b"here")  # the ROUTER knows the route once it heard from it
+    await asyncio.wait_for(router.recv_multipart(), 5)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    spec = type("Spec", (), {"wire": wire})
+    session = type("Session", (), {"epoch_floor": 0, "stop": asyncio.Event()})()
+    reader = asyncio.ensure_future(worker._read_control(dealer, spec, inbox, session))
+    try:
+        first = wire.encode(Kind.TASKS, 1, 0, 0, [(0, [0, 1])])
+        second = wire.encode(Kind.TASKS, 1, 1, 0, [(1, [2, 3])])
+        for frames in (first, second, first, second):  # replays of both
+            await router.send_multipart([b"w", *frames])
+        await router.send_multipart([b"w", *wire.encode(Kind.TASKS, 1, 2, 0, [(2, [4])])])
+        got = []
+        while len(got) < 3:
+            got.append(await asyncio.to_thread(inbox.get, timeout=5))
+        await asyncio.sleep(0.2)
+        assert got == [(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4])] and inbox.empty()
+        assert worker._counters["control_rejected"] == 2
+    finally:
+        reader.cancel()
+        ctx.destroy(0)
+
+
+def bare_worker(session_timeout: float) -> DpexWorker:
+    """A DpexWorker without Ray (its placement made up), to drive ``serve`` directly."""
+    worker = DpexWorker.__new__(DpexWorker)
+    worker.session_timeout = session_timeout
+    worker.placement = {"node_id": "f" * 56, "node_ip": "127.0.0.1", "pid": 1}
+    worker._sessions = set()
+    worker._lock = threading.Lock()
+    worker._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
+                        "control_rejected": 0}
+    return worker
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_what_to_set():
+    import socket
+
+    import cloudpickle
+    from torch.utils.data import _DatasetKind
+
+    from dpex.errors import WorkerStartupError
+    from dpex.server._worker_state import ShippedLoader, WorkerSpec
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = WorkerSpec(wire=Wire.new(), worker_id=1, num_workers=2, base_seed=0,
+                      data_address=f"tcp://127.0.0.1:{port}",
+                      control_address=f"tcp://127.0.0.1:{port}",
+                      keys=SessionKeys.new().client)
+    with pytest.raises(WorkerStartupError) as err:
+        shipped = cloudpickle.dumps(ShippedLoader(list(range(4)), _DatasetKind.Map, True,
+                                                  None, False, None))
+        await asyncio.wait_for(bare_worker(1.5).serve(spec, shipped), 20)
+    text = str(err.value)
+    assert f"tcp://127.0.0.1:{port}" in text and "within 1.5 s" in text
+    assert "DPEX_ADVERTISE_ADDRESS" in text and "DPEX_PORT_RANGE" in text
+    assert "CONNECT_RETRIED" in text  # what ZeroMQ saw: the connection was refused
+
+
+def test_under_ray_client_the_trainer_needs_an_address_the_cluster_can_reach(monkeypatch):
+    import ray.util.client
+
+    from dpex._ray_connect import node_address
+    from dpex.errors import DpexError
+
+    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
+    monkeypatch.delenv("DPEX_ADVERTISE_ADDRESS", raising=False)
+    with pytest.raises(DpexError, match="Ray Client.*DPEX_ADVERTISE_ADDRESS"):
+        node_address()
+    monkeypatch.setenv("DPEX_ADVERTISE_ADDRESS", "127.0.0.1")
+    assert node_address() == "127.0.0.1"
+
+
+def test_messages_for_a_worker_whose_connection_was_lost_wait_for_its_return(live_session):
+    """A task sent while a worker's connection is gone (heartbeats closed it, a link
+    cut) is held, not dropped, and goes out when the worker announces itself again."""
+    sess, loop, handoff = live_session
+    ctx = zmq.Context()
+    try:
+        ctrl, _ = genuine_worker(sess, ctx)
+        events(handoff, lambda e: isinstance(e, WorkerHello))
+        ctrl.close(0)  # the connection is lost
+        deadline = time.monotonic() + 10
+        while loop.run(sess.snapshot(), 5)["unroutable"] == 0:
+            assert time.monotonic() < deadline, "the lost route was never noticed"
+            loop.call_soon(sess.send_tasks, 0, 1, [(7, [7])])
+            time.sleep(0.05)
+        back, _ = genuine_worker(sess, ctx)  # reconnects, same identity, HELLO again
+        assert back.poll(5000), "the held task never came"
+        task = sess.wire.decode(back.recv_multipart())
+        assert task.kind is Kind.TASKS and task.payload == [(7, [7])]
+    finally:
+        ctx.destroy(0)

@@ -1,0 +1,83 @@
+"""A worker's view of one session without sockets or Ray: torch's worker loop."""
+
+import cloudpickle
+import torch
+from torch.utils.data import IterableDataset, _DatasetKind
+from torch.utils.data._utils.collate import default_collate
+
+from dpex._protocol import Kind, Wire
+from dpex._security import SessionKeys
+from dpex.server._worker_state import ShippedLoader, WorkerSpec, WorkerState
+
+WIRE = Wire.new()
+
+
+class Count(IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+def replacement(dataset=None) -> WorkerState:
+    """Incarnation 1 of worker 0 of a persistent IterableDataset loader (batch size 2)."""
+    shipped = cloudpickle.dumps(ShippedLoader(
+        dataset=dataset or Count(), dataset_kind=_DatasetKind.Iterable, auto_collation=True,
+        collate_fn=default_collate, drop_last=False, worker_init_fn=None))
+    spec = WorkerSpec(wire=WIRE, worker_id=0, num_workers=1, base_seed=1,
+                      data_address="", control_address="", keys=SessionKeys.new().client,
+                      incarnation=1)
+    return WorkerState(spec, shipped)
+
+
+def batch(state: WorkerState, epoch: int, seq: int):
+    msg = WIRE.decode(state.run_task(epoch, seq, [None, None]))
+    assert msg.kind is Kind.BATCH, msg
+    return msg.payload.tolist()
+
+
+def test_a_skip_fast_forwards_its_own_epoch_only():
+    state = replacement()
+    state.skip(2, epoch=1)  # the predecessor delivered [0, 1] and [2, 3]
+    assert batch(state, 1, 2) == [4, 5]
+
+
+def test_a_pending_skip_does_not_carry_into_the_next_epoch():
+    # The replacement was told to skip 3 batches of epoch 1 but got no task of epoch 1
+    # (the user broke out of the epoch, or the shard had ended): epoch 2 starts at 0.
+    state = replacement()
+    state.skip(3, epoch=1)
+    state.resume(epoch=2)
+    assert batch(state, 2, 0) == [0, 1]
+
+
+def test_a_skip_of_an_earlier_epoch_arriving_late_is_ignored():
+    state = replacement()
+    state.resume(epoch=2)
+    state.skip(3, epoch=1)
+    assert batch(state, 2, 0) == [0, 1]
+    assert torch.equal(torch.tensor(batch(state, 2, 1)), torch.tensor([2, 3]))
+
+
+class Loud(torch.utils.data.Dataset):
+    """Item 3 raises an error whose message alone is 3 MiB."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 3:
+            raise ValueError("start " + "x" * (3 << 20) + " end")
+        return i
+
+
+def test_an_error_over_max_message_bytes_still_reaches_the_trainer_as_an_error():
+    wire = Wire.new(max_message_bytes=1 << 20)
+    shipped = cloudpickle.dumps(ShippedLoader(
+        dataset=Loud(), dataset_kind=_DatasetKind.Map, auto_collation=True,
+        collate_fn=default_collate, drop_last=False, worker_init_fn=None))
+    spec = WorkerSpec(wire=wire, worker_id=0, num_workers=1, base_seed=1, data_address="",
+                      control_address="", keys=SessionKeys.new().client)
+    msg = wire.decode(WorkerState(spec, shipped).run_task(1, 0, [2, 3]))  # not dropped
+    assert msg.kind is Kind.ERROR and msg.payload.exc_type is ValueError
+    text = msg.payload.exc_msg
+    assert "ValueError: start xxx" in text and text.rstrip().endswith("end")
+    assert "characters of this error message cut" in text and "max_message_bytes" in text
