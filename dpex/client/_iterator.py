@@ -35,6 +35,7 @@ from dpex._version import local_versions
 from dpex.client._credits import CreditWindow
 from dpex.client._events import LoopFailure, WorkerExit, WorkerHello
 from dpex.client._ledger import TaskLedger
+from dpex.client._lost import LossWatch
 from dpex.client._ordering import OrderingBuffer
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
@@ -48,11 +49,10 @@ __all__ = ["RayDataLoaderIter"]
 _POLL_S = 5.0
 # How long workers may take to start before dpex checks whether they wait for resources.
 _PLACEMENT_GRACE_S = 2.0
-# A worker silent this long (and at least _LOST_FACTOR x its usual time per batch) while
+# A worker silent this long (and at least lost.FACTOR x its usual time per batch) while
 # it holds tasks has lost them, unless DpexDataLoader(lost_batch_timeout=...) says otherwise.
 _LOST_FLOOR_S = 10.0
 _LOST_FLOOR_ITERABLE_S = 60.0  # its worker is replaced, not just asked again: be patient
-_LOST_FACTOR = 10.0
 _LOST_CHECK_S = 1.0  # how often the training thread looks for lost batches while it waits
 logger = logging.getLogger("dpex")
 _iterator_ids = itertools.count()
@@ -145,13 +145,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._max_restarts = config.max_worker_restarts
         self._worker_shared_seed = self._shared_seed  # what a replacement starts with
         self._ledger = TaskLedger(self._num_workers)
-        self._lost_timeout = config.lost_batch_timeout
         self._starting: set[int] = set()  # replacements not yet ready: no new tasks
-        self._send_order: dict[int, int] = {}  # seq -> when it was (last) sent, in order
-        self._sends = itertools.count()
-        self._progress = [time.monotonic()] * self._num_workers  # last result, per worker
-        self._delivered_any: set[int] = set()  # workers (incarnations) that sent a result
-        self._batch_times: collections.deque[float] = collections.deque(maxlen=64)
+        self._losses = LossWatch(self._num_workers, config.lost_batch_timeout,
+                                 _LOST_FLOOR_ITERABLE_S if self._dataset_kind ==
+                                 _DatasetKind.Iterable else _LOST_FLOOR_S)
         self._lost_check_at = time.monotonic() + _LOST_CHECK_S
         self._credits = CreditWindow(self._prefetch_factor * self._num_workers)
         self._buffer = OrderingBuffer(self._in_order)
@@ -168,7 +165,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._credits.reset()
         self._ledger.reset()
         self._send_idx = 0
-        self._send_order.clear()
+        self._losses.new_epoch()
         self._worker_tasks: list[list[tuple[int, Any]]] = [[] for _ in range(self._num_workers)]
         self._ended_at: dict[int, int] = {}  # send order of each worker's END this epoch
         self._active = [True] * self._num_workers
@@ -215,10 +212,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 break
             self._credits.acquire()
             seq, self._send_idx = self._send_idx, self._send_idx + 1
-            if not self._ledger.outstanding(w):
-                self._progress[w] = time.monotonic()  # its clock starts with its first task
+            idle = not self._ledger.outstanding(w)
             self._ledger.dispatch(seq, w, index)
-            self._send_order[seq] = next(self._sends)
+            self._losses.sent(seq, w if idle else None)
             self._worker_tasks[w].append((seq, index))
             tasks[w].append((seq, index))
         for w, batch in tasks.items():
@@ -253,7 +249,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             seq = self._buffer.next_seq
             w = self._ledger.worker_of(seq)
             if (seq in self._buffer or self._active[w]
-                    or self._send_order.get(seq, -1) < self._ended_at.get(w, -1)):
+                    or self._losses.order(seq) < self._ended_at.get(w, -1)):
                 break
             self._buffer.skip(seq)
             self._consume(seq)
@@ -341,66 +337,37 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         if msg.epoch != self._epoch or owner is None:
             self._counters["stale"] += 1
             return
-        if msg.worker_id != owner and (self._dataset_kind == _DatasetKind.Iterable
-                                       or msg.seq not in self._send_order):
+        if msg.worker_id != owner and self._dataset_kind == _DatasetKind.Iterable:
             self._counters["misrouted"] += 1
             return
         # (A map-style batch given to another worker may come from its first owner: the
         # same batch, and the first copy to arrive counts.)
         fresh = self._ledger.received(msg.seq)
-        if msg.worker_id == owner:
-            now = time.monotonic()
-            if owner in self._delivered_any:  # the first batch includes loading: not usual
-                self._batch_times.append(now - self._progress[owner])
-            self._delivered_any.add(owner)
-            self._progress[owner] = now
-            self._find_gaps(owner, msg.seq)  # a duplicate can overtake a loss too
+        if msg.worker_id == owner:  # a duplicate can overtake a loss too
+            lost = self._losses.result(owner, msg.seq, self._ledger.outstanding(owner))
+            if lost:
+                self._counters["lost"] += len(lost)
+                self._recompute(owner, lost)
         if not fresh:  # e.g. late, from a worker presumed dead; or redone
             self._counters["duplicate"] += 1
             return
         if msg.kind is Kind.END:
             self._active[msg.worker_id] = False
-            self._ended_at[msg.worker_id] = self._send_order.get(msg.seq, -1)
+            self._ended_at[msg.worker_id] = self._losses.order(msg.seq)
         if not self._buffer.put(msg.seq, msg):
             self._counters["stale"] += 1
 
     # -- lost batches --------------------------------------------------------------
 
-    def _find_gaps(self, w: int, seq: int) -> None:
-        """A worker computes and sends its tasks in the order it got them, over one
-        connection: a result of ``w`` that overtook an earlier task of ``w`` means that
-        task (or its result) was lost on the way (a reconnect after a link cut, say)."""
-        order = self._send_order.get(seq)
-        lost = [task for task in self._ledger.outstanding(w)
-                if order is not None and self._send_order.get(task[0], order) < order]
-        if lost:
-            self._counters["lost"] += len(lost)
-            self._recompute(w, lost)
-
     def _check_lost(self) -> None:
-        """A worker that holds tasks and has sent nothing for the lost-batch timeout
-        lost them (a frame or task dropped with a connection): compute them again."""
-        now = time.monotonic()
-        self._lost_check_at = now + _LOST_CHECK_S
-        limit = self._lost_limit()
-        if limit is None:
-            return
-        for w in self._delivered_any & set(self._ready):  # past its start-up and first batch
-            if now - self._progress[w] > limit:
-                tasks = self._ledger.outstanding(w)
-                if tasks:
-                    self._counters["lost"] += len(tasks)
-                    self._progress[w] = now  # judged again only after another timeout
-                    self._recompute(w, tasks)
-
-    def _lost_limit(self) -> float | None:
-        if self._lost_timeout is not None:
-            return self._lost_timeout or None  # 0: never presume a batch lost
-        usual = sorted(self._batch_times)[int(0.9 * len(self._batch_times))] \
-            if self._batch_times else 0.0
-        floor = _LOST_FLOOR_ITERABLE_S if self._dataset_kind == _DatasetKind.Iterable \
-            else _LOST_FLOOR_S
-        return max(floor, _LOST_FACTOR * usual)
+        """A worker that holds tasks and has sent nothing for the lost-batch limit lost
+        them (a frame or task dropped with a connection): compute them again."""
+        self._lost_check_at = time.monotonic() + _LOST_CHECK_S
+        for w in self._losses.silent(self._ready):
+            tasks = self._ledger.outstanding(w)
+            if tasks:
+                self._counters["lost"] += len(tasks)
+                self._recompute(w, tasks)
 
     def _recompute(self, w: int, tasks: list[tuple[int, Any]]) -> None:
         """Have ``tasks`` of worker ``w`` computed again: a map-style batch by the ready
@@ -427,7 +394,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         for seq, _ in tasks:
             v = min(others, key=self._ledger.held)
             sent[v].append((seq, self._ledger.reassign(seq, v)))
-            self._send_order[seq] = next(self._sends)
+            self._losses.sent(seq)
         for v, batch in sent.items():
             self._counters["handed_over"] += len(batch) if v != w else 0
             self._loop.call_soon(self._session.send_tasks, v, self._epoch, batch)
@@ -445,7 +412,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._ready[hello.worker_id] = hello.info
         self._known[hello.worker_id] = hello.info
         self._starting.discard(hello.worker_id)
-        self._progress[hello.worker_id] = time.monotonic()
+        self._losses.alive(hello.worker_id)
         for rec in self._recoveries:
             if rec["worker"] == hello.worker_id and "ready_at" not in rec:
                 rec["ready_at"] = time.monotonic()
@@ -488,7 +455,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._incarnation[w] += 1
         self._counters["restarted"] += 1
         self._ready.pop(w, None)
-        self._delivered_any.discard(w)
+        self._losses.replaced(w)
         self._startup_deadline = time.monotonic() + self._startup_timeout
         self._placement_check_at = time.monotonic() + _PLACEMENT_GRACE_S
         old = self._specs[w].ring
@@ -515,7 +482,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             return  # the survivors compute them now; the replacement takes new tasks
         if tasks:
             self._counters["redispatched"] += len(tasks)
-            self._send_order.update((seq, next(self._sends)) for seq, _ in tasks)
+            for seq, _ in tasks:
+                self._losses.sent(seq)
             self._loop.call_soon(self._session.send_tasks, w, self._epoch, tasks)
 
     def _new_ring(self, worker_id: int) -> RingRef | None:
