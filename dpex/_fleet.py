@@ -80,7 +80,7 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
     cls = ray.remote(DpexWorker)
     actors = [cls.options(name=_name(fleet, i), namespace=NAMESPACE, lifetime="detached",
                           max_restarts=-1, max_task_retries=0, scheduling_strategy=strategy,
-                          **options).remote(session_timeout=session_timeout)
+                          **options).remote(session_timeout=session_timeout, pooled=True)
               for i, strategy in enumerate(strategies)]
     pending = {a.fleet_stats.remote(): i for i, a in enumerate(actors)}
     infos: dict[int, dict] = {}

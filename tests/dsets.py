@@ -117,6 +117,21 @@ class Slow(Dataset):
         return torch.tensor(i)
 
 
+class HangsFrom(Dataset):
+    """Items from index ``first`` on take ``hold`` seconds each (a hung dataset)."""
+
+    def __init__(self, first: int, hold: float, n: int = 24) -> None:
+        self.first, self.hold, self.n = first, hold, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i >= self.first:
+            time.sleep(self.hold)
+        return torch.tensor(i)
+
+
 class Images(Dataset):
     """~9.2 MiB uint8 image batches at batch_size 64 (3x224x224 per item)."""
 

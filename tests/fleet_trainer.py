@@ -4,8 +4,11 @@ Reads --epochs epochs of a dataset through DpexDataLoader(worker_pool=...) and
 through torch's DataLoader with the same arguments, checks they are identical,
 and prints one JSON line: {"ok": true, "stats": ...}. --cut-link takes a network
 link down mid-epoch (tests/test_multihost.py). --kill-after N kills the
-process of this loader's worker 1 after N batches of the first epoch; --stall
-stops reading after 3 batches and sleeps (to be killed).
+process of this loader's worker 1 (--kill: the fleet worker's, or its session's)
+after N batches of the first epoch; --stall
+stops reading after 3 batches and sleeps (to be killed); --hang reads a dataset
+that hangs in its workers after 2 batches (prints HUNG, to be killed).
+The JSON line also gives the longest wait for one batch.
 """
 
 import argparse
@@ -36,8 +39,14 @@ def main() -> None:
                    help="VETH:AFTER:SECONDS: after AFTER batches, take VETH down for SECONDS")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill-after", type=int, default=None)
+    p.add_argument("--kill", choices=["pid", "session_pid"], default="pid",
+                   help="what --kill-after kills: the fleet worker, or only the session's process")
     p.add_argument("--stall", action="store_true")
+    p.add_argument("--hang", action="store_true")
     args = p.parse_args()
+    if args.hang:
+        hang(args)
+        return
 
     dataset = {"probe": dsets.SeedProbe, "images": lambda: dsets.Images(48),
                "squares": lambda: dsets.Squares(160, max_sleep=0.01)}[args.dataset]()
@@ -47,12 +56,14 @@ def main() -> None:
     loader = DpexDataLoader(dataset, generator=torch.Generator().manual_seed(7),
                             distribute_mode=True, head_address=args.address,
                             worker_pool=args.fleet, **kw)
-    epoch_s = []
+    epoch_s, longest_wait = [], 0.0
     with loader:
         for epoch, want in enumerate(expected):
             got, t0 = [], time.monotonic()
+            last = t0
             for batch in loader:
                 got.append(batch)
+                longest_wait, last = max(longest_wait, time.monotonic() - last), time.monotonic()
                 if args.stall and len(got) == 3:
                     print("STALLED", json.dumps(loader.stats()["workers"]), flush=True)
                     time.sleep(600)
@@ -63,13 +74,24 @@ def main() -> None:
                                     (["ip", "link", "set", veth, "up"],)).start()
                     print("CUT", flush=True)
                 if epoch == 0 and len(got) == args.kill_after:
-                    os.kill(loader.stats()["workers"][1]["pid"], signal.SIGKILL)
+                    os.kill(loader.stats()["workers"][1][args.kill], signal.SIGKILL)
             epoch_s.append(time.monotonic() - t0)
             assert len(got) == len(want), (len(got), len(want))
             for g, w in zip(got, want, strict=True):
                 dsets.assert_same(g, w)
         stats = loader.stats()
-    print(json.dumps({"ok": True, "stats": stats, "epoch_s": epoch_s}), flush=True)
+    print(json.dumps({"ok": True, "stats": stats, "epoch_s": epoch_s,
+                      "longest_wait_s": longest_wait}), flush=True)
+
+
+def hang(args: argparse.Namespace) -> None:
+    """Both workers' fetches hang (for 120 s) from the third batch on."""
+    loader = DpexDataLoader(dsets.HangsFrom(8, hold=120.0), batch_size=4, num_workers=2,
+                            distribute_mode=True, head_address=args.address,
+                            worker_pool=args.fleet)
+    for n, _ in enumerate(loader, 1):
+        if n == 2:
+            print("HUNG", json.dumps(loader.stats()["workers"]), flush=True)
 
 
 if __name__ == "__main__":  # torch's forkserver workers import this file

@@ -197,7 +197,7 @@ def bare_worker(session_timeout: float) -> DpexWorker:
     worker = DpexWorker.__new__(DpexWorker)
     worker.session_timeout = session_timeout
     worker.placement = {"node_id": "f" * 56, "node_ip": "127.0.0.1", "pid": 1}
-    worker._sessions = set()
+    worker._sessions, worker._children = set(), set()
     worker._lock = threading.Lock()
     worker._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
                         "control_rejected": 0}
@@ -205,7 +205,9 @@ def bare_worker(session_timeout: float) -> DpexWorker:
 
 
 @pytest.mark.asyncio
-async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_what_to_set():
+@pytest.mark.parametrize("pooled", [False, True], ids=["own", "fleet-session-process"])
+async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_what_to_set(
+        pooled):
     import socket
 
     import cloudpickle
@@ -220,7 +222,7 @@ async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_wh
     spec = WorkerSpec(wire=Wire.new(), worker_id=1, num_workers=2, base_seed=0,
                       data_address=f"tcp://127.0.0.1:{port}",
                       control_address=f"tcp://127.0.0.1:{port}",
-                      keys=SessionKeys.new().client)
+                      keys=SessionKeys.new().client, pooled=pooled)
     with pytest.raises(WorkerStartupError) as err:
         shipped = cloudpickle.dumps(ShippedLoader(list(range(4)), _DatasetKind.Map, True,
                                                   None, False, None))

@@ -548,7 +548,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         return {
             "epoch": self._epoch,
             "workers_ready": len(self._ready),
-            "workers": {w: {k: info.get(k) for k in ("pid", "node_ip", "node_id", "transport")}
+            "workers": {w: {k: info.get(k) for k in ("pid", "session_pid", "node_ip", "node_id", "transport")}
                         for w, info in sorted(self._known.items())},
             "credits_in_flight": self._credits.in_flight,
             **session,

@@ -13,6 +13,7 @@ import collections
 import os
 import queue
 import threading
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -24,6 +25,7 @@ from dpex._security import ControlFreshness, connect_promptly
 from dpex._shm import RingUnavailable, WorkerRing
 from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
+from dpex.server._session_process import SessionProcess, prestart
 from dpex.server._worker_state import WorkerSpec, WorkerState
 
 __all__ = ["DpexWorker"]
@@ -111,13 +113,16 @@ class DpexWorker:
     one ``serve`` call each; ``session_timeout`` is how long a session may hear
     nothing from its trainer (which pings every second) before it is freed."""
 
-    def __init__(self, session_timeout: float = 30.0) -> None:
+    def __init__(self, session_timeout: float = 30.0, pooled: bool = False) -> None:
         self.session_timeout = session_timeout
         self.placement = _placement()
         self._sessions: set[_Session] = set()
+        self._children: set[SessionProcess] = set()  # pooled sessions' processes
         self._lock = threading.Lock()
         self._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
                           "control_rejected": 0}
+        if pooled:  # a fleet worker: its sessions' forkserver, ready before the first
+            threading.Thread(target=prestart, name="dpex-forkserver", daemon=True).start()
 
     def where(self) -> dict:
         return self.placement
@@ -126,6 +131,9 @@ class DpexWorker:
         """Placement, versions and traffic so far (``dpex fleet status``)."""
         with self._lock:
             counters = dict(self._counters)
+            for child in self._children:
+                for name, n in child.counters().items():
+                    counters[name] += n
         return {**self.placement, "versions": local_versions(),
                 "sessions_active": len(self._sessions), **counters}
 
@@ -139,9 +147,43 @@ class DpexWorker:
             self._counters["batches_sent"] += 1
             self._counters["bytes_sent"] += nbytes
 
+    def _count_rejected(self) -> None:
+        with self._lock:
+            self._counters["control_rejected"] += 1
+
     async def serve(self, spec: WorkerSpec, shipped: bytes) -> None:
         """Serve one session until STOP, cancellation or silence. Raises if set-up fails
-        (the worker's traffic is counted in ``fleet_stats``).
+        (the worker's traffic is counted in ``fleet_stats``). A fleet's session
+        (``spec.pooled``) runs in a process of its own, see
+        :mod:`dpex.server._session_process`."""
+        with self._lock:
+            self._counters["sessions_served"] += 1
+        if spec.pooled:
+            await self._serve_in_child(spec, shipped)
+        else:
+            await self._serve_here(spec, shipped)
+
+    async def _serve_in_child(self, spec: WorkerSpec, shipped: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        child = SessionProcess(spec, shipped, self.placement, self.session_timeout)
+        session = _Session()
+        self._sessions.add(session)
+        with self._lock:
+            self._children.add(child)
+        try:
+            await loop.run_in_executor(None, child.start)
+            await child.wait(session.stop)
+        finally:  # also when cancelled: the trainer ended the session
+            self._sessions.discard(session)
+            await asyncio.shield(loop.run_in_executor(None, child.stop))
+            with self._lock:
+                self._children.discard(child)
+                for name, n in child.counters().items():
+                    self._counters[name] += n
+        child.raise_outcome()
+
+    async def _serve_here(self, spec: WorkerSpec, shipped: bytes) -> None:
+        """Serve one session in this process.
 
         This (asyncio) thread owns the control socket and feeds tasks to one compute
         thread, which owns the data socket and does fetch → collate → encode → send
@@ -159,8 +201,6 @@ class DpexWorker:
         compute = threading.Thread(target=self._compute, name="dpex-compute", daemon=True,
                                    args=(spec, shipped, ring, inbox, halt, loop, done, session))
         self._sessions.add(session)
-        with self._lock:
-            self._counters["sessions_served"] += 1
         log: _ConnectionLog | None = None
         watcher: asyncio.Future | None = None
         try:
@@ -272,8 +312,7 @@ class DpexWorker:
             except ProtocolError:
                 continue
             if not fresh.accept(msg.seq):  # delivered before (a replay) or out of order
-                with self._lock:
-                    self._counters["control_rejected"] += 1
+                self._count_rejected()
                 continue
             if msg.kind is Kind.TASKS:
                 for seq, indices in msg.payload:
@@ -285,6 +324,44 @@ class DpexWorker:
                 inbox.put((_SKIP, msg.payload, msg.epoch))
             elif msg.kind is Kind.STOP:
                 session.stop.set()
+
+
+class SessionWorker(DpexWorker):
+    """A fleet session's own process (:mod:`dpex.server._session_process`): serves one
+    session and counts its traffic into memory the fleet worker reads."""
+
+    def __init__(self, placement: dict, session_timeout: float, counts: Any) -> None:
+        self.session_timeout = session_timeout
+        self.placement = {**placement, "session_pid": os.getpid()}
+        self._sessions = set()
+        self._children = set()
+        self._lock = threading.Lock()
+        self._counts = counts  # COUNTERS order: batches, bytes, control rejected
+
+    def _count(self, nbytes: int) -> None:
+        self._counts[0] += 1  # one writer: this session's compute thread
+        self._counts[1] += nbytes
+
+    def _count_rejected(self) -> None:
+        self._counts[2] += 1  # one writer: this session's control reader
+
+    async def serve_until_told(self, spec: WorkerSpec, shipped: bytes, conn: Any) -> None:
+        """Serve until the session ends, or the fleet worker says stop or dies."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(self._serve_here(spec, shipped))
+
+        def told() -> None:  # "stop", or end of file: the fleet worker is gone
+            loop.remove_reader(conn.fileno())
+            task.cancel()
+
+        loop.add_reader(conn.fileno(), told)
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise
+        finally:
+            loop.remove_reader(conn.fileno())
 
 
 def _attach_ring(spec: WorkerSpec, node_id: str) -> tuple[WorkerRing | None, str]:

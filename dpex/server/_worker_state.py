@@ -7,15 +7,11 @@ becomes the frames of one data message (a batch, a wrapped error, or END).
 
 from __future__ import annotations
 
-import contextlib
 import random
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
-import numpy as np
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import IterDataPipe, _DatasetKind
@@ -57,7 +53,7 @@ class WorkerSpec:
     shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
     incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement
     ring: RingRef | None = None  # the trainer's shared-memory ring for this incarnation
-    pooled: bool = False  # a fleet worker: other sessions share this process's RNGs
+    pooled: bool = False  # a fleet's session: served in a process of its own
 
 
 def _seed_like_torch(base_seed: int, worker_id: int) -> int:
@@ -87,27 +83,6 @@ def _load(shipped: bytes) -> ShippedLoader:
         ) from exc
 
 
-# A fleet worker serves several sessions in one process, but torch's worker semantics
-# (seeds, get_worker_info) live in process globals: sessions take turns, each with its
-# own saved RNG states, so every one sees exactly what a process of its own would.
-_PROCESS_TURN = threading.Lock()
-
-
-class _RngStates:
-    def __init__(self) -> None:
-        self.capture()
-
-    def capture(self) -> None:
-        self.py, self.np = random.getstate(), np.random.get_state()
-        self.torch_seed, self.torch = torch.initial_seed(), torch.get_rng_state()
-
-    def restore(self) -> None:
-        random.setstate(self.py)
-        np.random.set_state(self.np)
-        torch.manual_seed(self.torch_seed)  # what torch.initial_seed() reports
-        torch.set_rng_state(self.torch)
-
-
 class WorkerState:
     """One worker's view of a session. Not thread-safe: one fetch thread drives it.
 
@@ -124,27 +99,7 @@ class WorkerState:
         self.ring = ring
         self.loader: ShippedLoader = _load(shipped)
         torch.set_num_threads(1)
-        self._rngs: _RngStates | None = None
-        with self._turn():
-            self._setup(spec)
-
-    @contextlib.contextmanager
-    def _turn(self) -> Iterator[None]:
-        """This worker's turn at the process globals (a no-op unless pooled)."""
-        if not self.spec.pooled:
-            yield
-            return
-        with _PROCESS_TURN:
-            if self._rngs is not None:
-                self._rngs.restore()
-                torch_worker._worker_info = self.info
-            try:
-                yield
-            finally:
-                if self._rngs is None:
-                    self._rngs = _RngStates()
-                else:
-                    self._rngs.capture()
+        self._setup(spec)
 
     def _setup(self, spec: WorkerSpec) -> None:
         seed = _seed_like_torch(spec.base_seed, spec.worker_id)
@@ -188,12 +143,11 @@ class WorkerState:
     def resume(self, shared_seed: int | None = None, epoch: int = 0) -> None:
         """Start epoch ``epoch`` on a persistent worker: a fresh fetcher, as torch does.
         A fast-forward still pending from an earlier epoch is dropped with it."""
-        with self._turn():
-            torch_worker._worker_info = self.info
-            self.exhausted = False
-            self._skip = None
-            self._seed_datapipe(shared_seed)
-            self.fetcher = self._new_fetcher()
+        torch_worker._worker_info = self.info
+        self.exhausted = False
+        self._skip = None
+        self._seed_datapipe(shared_seed)
+        self.fetcher = self._new_fetcher()
 
     def skip(self, n: int, epoch: int) -> None:
         """A replacement's fast-forward: the first ``n`` batches of this worker's
@@ -219,10 +173,6 @@ class WorkerState:
 
     def run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         """Fetch and collate one batch; return the frames of its data message."""
-        with self._turn():
-            return self._run_task(epoch, seq, indices)
-
-    def _run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         wire, wid = self.spec.wire, self.spec.worker_id
         torch_worker._worker_info = self.info
         if self.init_error is not None:  # once, as torch; later tasks find no fetcher

@@ -1,0 +1,143 @@
+"""A fleet session in a process of its own.
+
+A fleet worker serves the sessions of several trainers. torch's worker semantics
+(the seeds of ``torch``, ``random`` and NumPy, ``get_worker_info()``, whatever a
+dataset does to module state) are process-wide, so each session runs in a child
+process forked from a forkserver that the fleet worker starts once, with torch
+and dpex imported: a session whose dataset is slow, hangs or crashes the
+interpreter holds up no other session, and each one sees a process of its own,
+as a worker of torch's does.
+
+Ownership: the ``serve`` call that starts a :class:`SessionProcess` stops it
+(``stop()``: ask, wait, kill). The child watches its end of a pipe to the fleet
+worker and ends its session when the worker asks or dies (end of file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import multiprocessing.forkserver
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["SessionProcess", "prestart"]
+
+COUNTERS = ("batches_sent", "bytes_sent", "control_rejected")
+_PRELOAD = ["ray", "dpex.server._actor"]  # what every session would import again
+STOP_GRACE_S = 15.0  # the session's own clean-up waits 10 s at most for its fetch
+
+
+def _context() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def prestart() -> None:
+    """Start the forkserver (imports torch: seconds) before the first session needs it."""
+    _context()
+    multiprocessing.forkserver.ensure_running()
+
+
+class SessionProcess:
+    """The fleet worker's handle on one session's child process."""
+
+    def __init__(self, spec: Any, shipped: bytes, placement: dict,
+                 session_timeout: float) -> None:
+        ctx = _context()
+        self.counts = ctx.RawArray("q", len(COUNTERS))  # written by the child
+        self._conn, child_end = ctx.Pipe()
+        self._child_end: Connection | None = child_end
+        self._proc = ctx.Process(
+            target=_main, name=f"dpex-session-{spec.worker_id}", daemon=True,
+            args=(spec, shipped, placement, session_timeout, self.counts, child_end))
+        self._lock = threading.Lock()  # start and stop run on executor threads
+        self._stopped = False
+        self._outcome: BaseException | None = None
+
+    def counters(self) -> dict[str, int]:
+        return dict(zip(COUNTERS, self.counts, strict=True))
+
+    def start(self) -> None:
+        """Fork the child (a round trip to the forkserver). Blocking: run it in a thread."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._proc.start()
+            self._child_end.close()
+            self._child_end = None
+
+    async def wait(self, stop: asyncio.Event) -> None:
+        """Until the child ends or ``stop`` is set."""
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        fd = self._proc.sentinel
+        loop.add_reader(fd, lambda: ended.done() or ended.set_result(None))
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({ended, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(fd)
+            stopper.cancel()
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """Ask the child to end its session, wait ``grace`` seconds, then kill it; keep
+        what it reported. Blocking and idempotent: run it in a thread."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            if self._child_end is not None:  # never started
+                self._child_end.close()
+                self._conn.close()
+                return
+            try:
+                self._conn.send_bytes(b"stop")
+            except OSError:
+                pass  # the child is gone already
+            deadline = time.monotonic() + grace
+            self._outcome = self._receive(grace)
+            self._proc.join(max(0.0, deadline - time.monotonic()))
+            if self._proc.exitcode is None:
+                self._proc.kill()
+                self._proc.join(5.0)
+            self._conn.close()
+            if self._outcome is None and self._proc.exitcode not in (0, None):
+                self._outcome = RuntimeError(
+                    f"the process of this dpex fleet session (pid {self._proc.pid}) died "
+                    f"with exit code {self._proc.exitcode} before reporting how it ended")
+
+    def _receive(self, timeout: float) -> BaseException | None:
+        """What the child reported: ``None`` for a clean end, else its exception."""
+        try:
+            if self._conn.poll(timeout):
+                return self._conn.recv()
+        except (EOFError, OSError):
+            pass  # it died without a word: see the exit code
+        return None
+
+    def raise_outcome(self) -> None:
+        if self._outcome is not None:
+            raise self._outcome
+
+
+def _main(spec: Any, shipped: bytes, placement: dict, session_timeout: float,
+          counts: Any, conn: Connection) -> None:
+    """The child: serve one session until it ends, the fleet worker asks, or dies."""
+    from dpex.server._actor import SessionWorker
+
+    worker = SessionWorker(placement, session_timeout, counts)
+    outcome: BaseException | None = None
+    try:
+        asyncio.run(worker.serve_until_told(spec, shipped, conn))
+    except BaseException as exc:
+        outcome = exc
+    try:
+        conn.send(outcome)
+    except Exception:  # an exception that cannot be pickled: keep its text
+        conn.send(RuntimeError(f"{type(outcome).__name__}: {outcome}"))
+    finally:
+        conn.close()

@@ -1,0 +1,66 @@
+"""A fleet's sessions each run in a process of their own (no Ray): the fleet worker
+owns it, and it ends with the fleet worker."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import cloudpickle
+import pytest
+from test_strangers import events, live_session  # noqa: F401 (a fixture)
+from torch.utils.data import _DatasetKind
+
+from dpex.client._events import WorkerHello
+from dpex.server._worker_state import ShippedLoader, WorkerSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+# A fleet worker in a process of its own (its Ray placement made up): serves one
+# session of the trainer whose spec it reads from stdin, until it is killed.
+FLEET_WORKER = textwrap.dedent("""
+    import asyncio, sys
+    import cloudpickle
+    sys.path.insert(0, sys.argv[1])
+    from test_strangers import bare_worker
+    spec, shipped = cloudpickle.loads(sys.stdin.buffer.read())
+    asyncio.run(bare_worker(60.0).serve(spec, shipped))
+""")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_fleet_session_process_ends_with_the_fleet_worker_that_owns_it(live_session):  # noqa: F811
+    sess, _, handoff = live_session
+    spec = WorkerSpec(wire=sess.wire, worker_id=0, num_workers=1, base_seed=0,
+                      data_address=sess.data_address, control_address=sess.control_address,
+                      keys=sess.keys.client, pooled=True)
+    shipped = cloudpickle.dumps(ShippedLoader(list(range(4)), _DatasetKind.Map, True,
+                                              None, False, None))
+    worker = subprocess.Popen([sys.executable, "-c", FLEET_WORKER, os.path.dirname(__file__)],
+                              stdin=subprocess.PIPE)
+    try:
+        worker.stdin.write(cloudpickle.dumps((spec, shipped)))
+        worker.stdin.close()
+        hello = events(handoff, lambda e: isinstance(e, WorkerHello), timeout=60)
+        session_pid = hello.info["session_pid"]
+        assert hello.info["pid"] == 1 and session_pid not in (worker.pid, os.getpid())
+        assert alive(session_pid)
+        worker.send_signal(signal.SIGKILL)  # no clean-up code of the worker runs
+        worker.wait(10)
+        deadline = time.monotonic() + 5  # its session would wait 60 s for the trainer
+        while alive(session_pid):
+            assert time.monotonic() < deadline, "the session outlived its fleet worker"
+            time.sleep(0.05)
+    finally:
+        worker.kill()
+        worker.wait(10)
