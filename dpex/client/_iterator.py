@@ -8,7 +8,6 @@ ordering buffer and released in sequence order.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
@@ -27,16 +26,21 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_in
 
 from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
-from dpex._protocol import Kind, Message, Wire
+from dpex._protocol import Kind, Wire
 from dpex._ray_connect import connect_ray, node_address
 from dpex._reaper import finalizer_for
 from dpex._shm import RingRef
 from dpex._version import local_versions
-from dpex.client._credits import CreditWindow
 from dpex.client._events import LoopFailure, WorkerExit, WorkerHello
-from dpex.client._ledger import TaskLedger
-from dpex.client._lost import LossWatch
-from dpex.client._ordering import OrderingBuffer
+from dpex.client._scheduler import (
+    EPOCH_END,
+    Control,
+    EpochScheduler,
+    Fatal,
+    KillWorker,
+    SendTasks,
+    StartReplacement,
+)
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
 from dpex.client._workers import FleetGroup, WorkerGroup, WorkerProcess
@@ -138,87 +142,56 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         except BaseException:
             self._runtime.close()
             raise
-        self._ready: dict[int, dict] = {}
-        self._known: dict[int, dict] = {}  # the last HELLO of each worker id
-        self._recoveries: list[dict] = []  # one per restart: when reported, when ready
-        self._incarnation = [0] * self._num_workers  # also: how often each was restarted
-        self._max_restarts = config.max_worker_restarts
         self._worker_shared_seed = self._shared_seed  # what a replacement starts with
-        self._ledger = TaskLedger(self._num_workers)
-        self._starting: set[int] = set()  # replacements not yet ready: no new tasks
-        self._losses = LossWatch(self._num_workers, config.lost_batch_timeout,
-                                 _LOST_FLOOR_ITERABLE_S if self._dataset_kind ==
-                                 _DatasetKind.Iterable else _LOST_FLOOR_S)
+        self._sched = EpochScheduler(
+            self._num_workers, self._prefetch_factor, in_order=self._in_order,
+            iterable=self._dataset_kind == _DatasetKind.Iterable,
+            max_restarts=config.max_worker_restarts, lost_timeout=config.lost_batch_timeout,
+            lost_floor=_LOST_FLOOR_ITERABLE_S if self._dataset_kind == _DatasetKind.Iterable
+            else _LOST_FLOOR_S)
         self._lost_check_at = time.monotonic() + _LOST_CHECK_S
-        self._credits = CreditWindow(self._prefetch_factor * self._num_workers)
-        self._buffer = OrderingBuffer(self._in_order)
-        self._epoch = 0
-        self._counters: collections.Counter[str] = collections.Counter()
         self._reset(loader, first_iter=True)
 
     # -- epochs and dispatch -------------------------------------------------
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
-        self._epoch += 1
-        self._buffer.reset()
-        self._credits.reset()
-        self._ledger.reset()
-        self._send_idx = 0
-        self._losses.new_epoch()
-        self._worker_tasks: list[list[tuple[int, Any]]] = [[] for _ in range(self._num_workers)]
-        self._ended_at: dict[int, int] = {}  # send order of each worker's END this epoch
-        self._active = [True] * self._num_workers
-        self._worker_cycle = itertools.cycle(range(self._num_workers))
         if not first_iter:
             if self._runtime.closed:
                 raise DpexError("this dpex iterator was closed; iterate the loader again")
             self._worker_shared_seed = self._shared_seed
-            for w in range(self._num_workers):
-                # The payload is the IterDataPipe seed of the new epoch (None otherwise).
-                self._loop.call_soon(self._session.send, w, Kind.RESUME, self._epoch,
-                                     self._shared_seed)
-        self._dispatch(self._credits.capacity)
+        # The RESUME payload is the IterDataPipe seed of the new epoch (None otherwise).
+        self._apply(self._sched.start_epoch(self._next_index, resume=self._shared_seed))
 
-    def _next_active_worker(self) -> int | None:
-        """torch's choice: the next active worker in turn; with ``in_order=False`` only
-        one holding fewer than its share of the window, so a slow worker cannot hoard it.
-        A map-style dataset's replacement that is still starting is passed over while
-        another worker can take the batch (an IterableDataset's shard is its worker's)."""
-        share = self._credits.capacity // max(1, sum(self._active))
-        fallback = None
-        for _ in range(self._num_workers):
-            w = next(self._worker_cycle)
-            if self._active[w] and (self._in_order or self._ledger.held(w) < share):
-                if w not in self._starting or self._dataset_kind == _DatasetKind.Iterable:
-                    return w
-                fallback = w if fallback is None else fallback
-        return fallback
+    def _apply(self, actions: list[Any]) -> None:
+        """Carry out the scheduler's actions, in its order."""
+        for action in actions:
+            if isinstance(action, SendTasks):
+                self._loop.call_soon(self._session.send_tasks, action.worker_id,
+                                     action.epoch, action.tasks)
+            elif isinstance(action, Control):
+                self._loop.call_soon(self._session.send, action.worker_id, action.kind,
+                                     action.epoch, action.payload)
+            elif isinstance(action, StartReplacement):
+                self._start_replacement(action.worker_id, action.incarnation)
+            elif isinstance(action, KillWorker):
+                self._runtime.workers.kill(action.worker_id)
+            else:
+                raise AssertionError(f"unknown scheduler action {action!r}")
 
-    def _dispatch(self, n: int) -> None:
-        """Draw up to ``n`` index batches, as credits allow, and send them as tasks."""
-        tasks: dict[int, list[tuple[int, Any]]] = collections.defaultdict(list)
-        for _ in range(n):
-            if not self._credits.available:
-                break
-            try:
-                index = self._next_index()
-            except StopIteration:
-                break
-            w = self._next_active_worker()
-            if w is None:
-                # As torch: the drawn index is dropped. Only an IterableDataset (whose
-                # "indices" are placeholders) can have no worker here.
-                break
-            self._credits.acquire()
-            seq, self._send_idx = self._send_idx, self._send_idx + 1
-            idle = not self._ledger.outstanding(w)
-            self._ledger.dispatch(seq, w, index)
-            self._losses.sent(seq, w if idle else None)
-            self._worker_tasks[w].append((seq, index))
-            tasks[w].append((seq, index))
-        for w, batch in tasks.items():
-            self._loop.call_soon(self._session.send_tasks, w, self._epoch, batch)
+    @property
+    def _epoch(self) -> int:
+        return self._sched.epoch
+
+    @property
+    def _ready(self) -> dict[int, dict]:
+        """The HELLO of each worker whose current incarnation is ready."""
+        return self._sched.workers.ready_infos()
+
+    @property
+    def _known(self) -> dict[int, dict]:
+        """The last HELLO of each worker id (any incarnation)."""
+        return self._sched.workers.known_infos()
 
     # -- consuming -------------------------------------------------------------
 
@@ -237,43 +210,25 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             del self
             raise
 
-    def _consume(self, seq: int) -> None:
-        self._ledger.consumed(seq)
-        self._credits.release()
-        self._dispatch(1)
-
-    def _pop_ready(self) -> tuple[int, Message] | None:
-        # Slots given to an IterableDataset worker after the task that found its shard
-        # exhausted hold nothing (one before it that is missing was lost: it is redone).
-        while self._buffer.next_seq < self._send_idx:
-            seq = self._buffer.next_seq
-            w = self._ledger.worker_of(seq)
-            if (seq in self._buffer or self._active[w]
-                    or self._losses.order(seq) < self._ended_at.get(w, -1)):
-                break
-            self._buffer.skip(seq)
-            self._consume(seq)
-        return self._buffer.pop()
-
     def _next_data(self) -> Any:
         while True:
-            ready = self._pop_ready()
-            if ready is not None:
-                seq, msg = ready
-                self._consume(seq)
-                if msg.kind is Kind.END:
-                    continue
-                if msg.kind is Kind.ERROR:
-                    msg.payload.reraise()
-                data = msg.payload
-                if self._pin_memory:
-                    data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
-                return data
-            if self._buffer.next_seq >= self._send_idx:
+            msg, actions = self._sched.take(self._next_index)
+            self._apply(actions)
+            if msg is EPOCH_END:
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
-            self._receive_one()
+            if msg is None:
+                self._receive_one()
+                continue
+            if msg.kind is Kind.END:
+                continue
+            if msg.kind is Kind.ERROR:
+                msg.payload.reraise()
+            data = msg.payload
+            if self._pin_memory:
+                data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
+            return data
 
     def _receive_one(self) -> None:
         """Wait for one event from the loop thread or Ray and apply it."""
@@ -283,8 +238,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._check_lost()
         event = self._wait_event()
         if isinstance(event, list):  # data messages that arrived together
-            for msg in event:
-                self._on_message(msg)
+            self._apply(self._sched.results(event))
         elif isinstance(event, WorkerHello):
             self._on_hello(event)
         elif isinstance(event, WorkerExit):
@@ -332,73 +286,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                     raise self._startup_failure()
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
 
-    def _on_message(self, msg: Message) -> None:
-        owner = self._ledger.worker_of(msg.seq)
-        if msg.epoch != self._epoch or owner is None:
-            self._counters["stale"] += 1
-            return
-        if msg.worker_id != owner and self._dataset_kind == _DatasetKind.Iterable:
-            self._counters["misrouted"] += 1
-            return
-        # (A map-style batch given to another worker may come from its first owner: the
-        # same batch, and the first copy to arrive counts.)
-        fresh = self._ledger.received(msg.seq)
-        if msg.worker_id == owner:  # a duplicate can overtake a loss too
-            lost = self._losses.result(owner, msg.seq, self._ledger.outstanding(owner))
-            if lost:
-                self._counters["lost"] += len(lost)
-                self._recompute(owner, lost)
-        if not fresh:  # e.g. late, from a worker presumed dead; or redone
-            self._counters["duplicate"] += 1
-            return
-        if msg.kind is Kind.END:
-            self._active[msg.worker_id] = False
-            self._ended_at[msg.worker_id] = self._losses.order(msg.seq)
-        if not self._buffer.put(msg.seq, msg):
-            self._counters["stale"] += 1
-
-    # -- lost batches --------------------------------------------------------------
-
     def _check_lost(self) -> None:
-        """A worker that holds tasks and has sent nothing for the lost-batch limit lost
-        them (a frame or task dropped with a connection): compute them again."""
         self._lost_check_at = time.monotonic() + _LOST_CHECK_S
-        for w in self._losses.silent(self._ready):
-            tasks = self._ledger.outstanding(w)
-            if tasks:
-                self._counters["lost"] += len(tasks)
-                self._recompute(w, tasks)
-
-    def _recompute(self, w: int, tasks: list[tuple[int, Any]]) -> None:
-        """Have ``tasks`` of worker ``w`` computed again: a map-style batch by the ready
-        worker holding least (``w`` itself if it is alone), an IterableDataset's by a
-        replacement of ``w`` (only it can produce the rest of its shard), which starts
-        after what ``w`` delivered."""
-        if self._dataset_kind == _DatasetKind.Iterable:
-            self._counters["replaced_for_lost"] += 1
-            self._runtime.workers.kill(w)  # Ray reports the exit; _on_exit replaces it
-            return
-        self._hand_over(w, tasks, keep_owner_if_alone=True)
-
-    def _hand_over(self, w: int, tasks: list[tuple[int, Any]],
-                   keep_owner_if_alone: bool = False) -> bool:
-        """Give map-style ``tasks`` of ``w`` to the other ready workers at once; False if
-        there is none (they wait for ``w``'s replacement)."""
-        others = [v for v in self._ready if v != w and self._active[v]
-                  and v not in self._starting]
-        if not others:
-            if not keep_owner_if_alone:
-                return False
-            others = [w]
-        sent: dict[int, list[tuple[int, Any]]] = collections.defaultdict(list)
-        for seq, _ in tasks:
-            v = min(others, key=self._ledger.held)
-            sent[v].append((seq, self._ledger.reassign(seq, v)))
-            self._losses.sent(seq)
-        for v, batch in sent.items():
-            self._counters["handed_over"] += len(batch) if v != w else 0
-            self._loop.call_soon(self._session.send_tasks, v, self._epoch, batch)
-        return True
+        self._apply(self._sched.check_lost())
 
     def _on_hello(self, hello: WorkerHello) -> None:
         theirs, ours = hello.info.get("versions"), local_versions()
@@ -409,82 +299,55 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 f"{theirs}, but this trainer runs {ours}: install the same Python and dpex "
                 "versions on every node"
             )
-        self._ready[hello.worker_id] = hello.info
-        self._known[hello.worker_id] = hello.info
-        self._starting.discard(hello.worker_id)
-        self._losses.alive(hello.worker_id)
-        for rec in self._recoveries:
-            if rec["worker"] == hello.worker_id and "ready_at" not in rec:
-                rec["ready_at"] = time.monotonic()
+        self._apply(self._sched.ready(hello.worker_id, hello.info))
 
     def _on_exit(self, exit_: WorkerExit) -> None:
+        if self._runtime.closed:
+            return
         w = exit_.worker_id
-        if self._runtime.closed or exit_.incarnation != self._incarnation[w]:
-            return  # stopping, or a predecessor already replaced
-        where = self._known.get(w, {}).get("node_ip", "unknown node")
         cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
-        # A worker never placed because its node went away is placed again, like a death.
-        unplaced = isinstance(cause, ray.exceptions.ActorUnschedulableError)
-        fatal = (w not in self._known and not unplaced) or isinstance(cause, WorkerStartupError)
-        if not fatal and self._incarnation[w] < self._max_restarts:
-            self._recoveries.append({"worker": w, "reported_at": exit_.at,
-                                     "cause": type(cause).__name__})
+        actions = self._sched.exited(
+            w, exit_.incarnation, startup_error=isinstance(cause, WorkerStartupError),
+            # A worker never placed because its node went away is placed again, like a death.
+            unplaced=isinstance(cause, ray.exceptions.ActorUnschedulableError),
+            cause=type(cause).__name__, at=exit_.at)
+        fatal = next((a for a in actions if isinstance(a, Fatal)), None)
+        if fatal is None:
             try:
-                self._restart(w)
+                self._apply(actions)
             except BaseException:  # e.g. the fleet is gone: nowhere to restart
                 self._shutdown_workers()
                 raise
             return
         self._shutdown_workers()
-        if fatal:
+        where = self._known.get(w, {}).get("node_ip", "unknown node")
+        if fatal.startup:
             what = str(cause) if isinstance(cause, WorkerStartupError) else (
                 f"{type(cause).__name__}: {cause}")
             raise WorkerStartupError(
                 f"dpex worker {exit_.worker_id} (node {where}) failed to start: {what}"
             ) from exit_.error
         pid = self._known.get(w, {}).get("pid", "?")
+        restarts = self._sched.workers[w].incarnation
         raise WorkerDiedError(
-            f"dpex worker {w} (pid {pid}, node {where}) died after {self._incarnation[w]} "
-            f"restart(s), the most max_worker_restarts={self._max_restarts} allows: "
+            f"dpex worker {w} (pid {pid}, node {where}) died after {restarts} "
+            f"restart(s), the most max_worker_restarts={self._sched.max_restarts} allows: "
             f"{type(cause).__name__}: {cause}"
         ) from exit_.error
 
-    def _restart(self, w: int) -> None:
+    def _start_replacement(self, w: int, incarnation: int) -> None:
         """Start a replacement with the same worker id (same seed, worker_init_fn run
-        again) and send it every task of this epoch whose result has not arrived."""
-        self._incarnation[w] += 1
-        self._counters["restarted"] += 1
-        self._ready.pop(w, None)
-        self._losses.replaced(w)
+        again); the scheduler sends it its tasks."""
         self._startup_deadline = time.monotonic() + self._startup_timeout
         self._placement_check_at = time.monotonic() + _PLACEMENT_GRACE_S
         old = self._specs[w].ring
         if old is not None:
             self._loop.call_soon(self._session.retire_ring, old.ring_id)
         self._specs[w] = spec = dataclasses.replace(
-            self._specs[w], incarnation=self._incarnation[w],
+            self._specs[w], incarnation=incarnation,
             shared_seed=self._worker_shared_seed, ring=self._new_ring(w))
         self._loop.call_soon(self._session.expect, w, spec.incarnation)
         self._runtime.workers.restart(spec, self._shipped)
-        self._starting.add(w)
-        tasks = self._ledger.outstanding(w)
-        if self._dataset_kind == _DatasetKind.Iterable:
-            # The shard is this worker's: the replacement passes over the batches before
-            # the first one missing, then redoes every task from there on (results that
-            # did arrive come again as duplicates and are dropped).
-            given = self._worker_tasks[w]
-            first = min((seq for seq, _ in tasks), default=None)
-            at = next((i for i, (seq, _) in enumerate(given) if seq == first), len(given))
-            if at:
-                self._loop.call_soon(self._session.send, w, Kind.SKIP, self._epoch, at)
-            tasks = given[at:]
-        elif self._hand_over(w, tasks):
-            return  # the survivors compute them now; the replacement takes new tasks
-        if tasks:
-            self._counters["redispatched"] += len(tasks)
-            for seq, _ in tasks:
-                self._losses.sent(seq)
-            self._loop.call_soon(self._session.send_tasks, w, self._epoch, tasks)
 
     def _new_ring(self, worker_id: int) -> RingRef | None:
         """A shared-memory ring for one worker (used only if it lands on this node)."""
@@ -550,10 +413,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             "workers_ready": len(self._ready),
             "workers": {w: {k: info.get(k) for k in ("pid", "session_pid", "node_ip", "node_id", "transport")}
                         for w, info in sorted(self._known.items())},
-            "credits_in_flight": self._credits.in_flight,
+            "credits_in_flight": self._sched.in_flight,
             **session,
-            "dropped": dict(self._counters),
-            "recoveries": [dict(r) for r in self._recoveries],
+            "dropped": dict(self._sched.counters),
+            "recoveries": [dict(r) for r in self._sched.recoveries],
         }
 
     def __del__(self) -> None:

@@ -67,6 +67,10 @@ class TaskLedger:
         if w is not None:
             self._held[w] -= 1
 
+    def live(self) -> int:
+        """Tasks dispatched and not yet consumed, over all workers."""
+        return len(self._worker)
+
     def held(self, worker_id: int) -> int:
         return self._held[worker_id]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["LossWatch"]
@@ -21,11 +22,12 @@ FACTOR = 10.0
 
 
 class LossWatch:
-    def __init__(self, num_workers: int, timeout: float | None, floor: float) -> None:
-        self.timeout, self.floor = timeout, floor
+    def __init__(self, num_workers: int, timeout: float | None, floor: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout, self.floor, self.clock = timeout, floor, clock
         self._sends = itertools.count()
         self._order: dict[int, int] = {}  # seq -> when it was (last) sent, in order
-        self._progress = [time.monotonic()] * num_workers  # last sign of life, per worker
+        self._progress = [clock()] * num_workers  # last sign of life, per worker
         self._past_first: set[int] = set()  # workers (incarnations) that sent a result
         self._batch_times: collections.deque[float] = collections.deque(maxlen=64)
 
@@ -36,14 +38,11 @@ class LossWatch:
         """``seq`` was sent (again); to an idle ``worker_id``, whose clock starts now."""
         self._order[seq] = next(self._sends)
         if worker_id is not None:
-            self._progress[worker_id] = time.monotonic()
-
-    def order(self, seq: int, default: int = -1) -> int:
-        return self._order.get(seq, default)
+            self._progress[worker_id] = self.clock()
 
     def alive(self, worker_id: int) -> None:
         """A (re-)HELLO: the worker's silence counts from now."""
-        self._progress[worker_id] = time.monotonic()
+        self._progress[worker_id] = self.clock()
 
     def replaced(self, worker_id: int) -> None:
         self._past_first.discard(worker_id)
@@ -52,7 +51,7 @@ class LossWatch:
                outstanding: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         """A result of ``worker_id`` arrived: the tasks of ``outstanding`` (the worker's)
         that it overtook, which were lost."""
-        now = time.monotonic()
+        now = self.clock()
         if worker_id in self._past_first:
             self._batch_times.append(now - self._progress[worker_id])
         self._past_first.add(worker_id)
@@ -68,7 +67,7 @@ class LossWatch:
         limit = self.limit()
         if limit is None:
             return []
-        now = time.monotonic()
+        now = self.clock()
         out = [w for w in self._past_first & set(ready) if now - self._progress[w] > limit]
         for w in out:
             self._progress[w] = now

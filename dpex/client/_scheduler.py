@@ -1,0 +1,412 @@
+"""The epoch's rules in one place, pure: no I/O, no Ray, no threads.
+
+:class:`EpochScheduler` decides, for one iterator, which index batch goes to
+which worker, which arriving result counts, when the training loop may take a
+batch, when the epoch ends, and what a worker's death or a lost batch requires.
+The iterator drives it with events and carries out the actions it returns, in
+the order returned (a replacement is started before tasks are sent to it):
+
+=========================  ===================================================
+event                      actions it may return
+=========================  ===================================================
+``start_epoch(draw)``      ``Control`` (RESUME) to every worker, ``SendTasks``
+``take(draw)``             ``SendTasks`` for the credit a taken slot frees
+``results(messages)``      ``SendTasks`` / ``KillWorker`` for overtaken tasks
+``ready(w, info)``         none
+``exited(w, ...)``         ``Fatal``, or ``StartReplacement`` then ``Control``
+                           (SKIP) and ``SendTasks``
+``check_lost()``           ``SendTasks`` / ``KillWorker`` for silent workers
+=========================  ===================================================
+
+Invariants (tests/test_scheduler.py checks them, one test drives the scheduler
+with scrambled arrivals, duplicates, losses, deaths and restarts):
+
+1. Each epoch hands the training loop slots 0, 1, ... in order (``in_order``)
+   and each exactly once, whatever the order and duplication of arrivals.
+2. ``in_flight`` (dispatched and not taken) never exceeds ``capacity``
+   (``prefetch_factor × num_workers``); it is the ledger's count of live tasks,
+   not a counter kept beside it.
+3. A result counts only if it is of the current epoch, its task is outstanding
+   and, for an IterableDataset, it comes from the task's owner; any other copy
+   is counted (stale, misrouted, duplicate) and dropped.
+4. The tasks a dead or silent worker held whose results did not arrive are
+   exactly the tasks sent again: a map-style batch to the ready worker holding
+   least (torch defines nothing about which worker computes a batch), an
+   IterableDataset's by a replacement of its worker, which first passes over
+   what its predecessor delivered (the shard is the worker's).
+5. The epoch ends when every slot drawn is taken and the sampler is exhausted,
+   or no worker can take more (an IterableDataset whose shards all ended).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpex._protocol import Kind, Message
+from dpex.client._ledger import TaskLedger
+from dpex.client._lost import LossWatch
+from dpex.client._ordering import OrderingBuffer
+
+__all__ = ["EpochScheduler", "WorkerTable", "WorkerRecord", "Recovery", "recovery",
+           "SendTasks", "Control", "StartReplacement", "KillWorker", "Fatal", "EPOCH_END"]
+
+EPOCH_END = object()  # what take() returns once the epoch has nothing more
+
+
+# -- actions -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SendTasks:
+    worker_id: int
+    epoch: int
+    tasks: list[tuple[int, Any]]  # (seq, indices), in the order the worker runs them
+
+
+@dataclass(frozen=True)
+class Control:
+    worker_id: int
+    kind: Kind  # RESUME (payload: the epoch's IterDataPipe seed) or SKIP (payload: n)
+    epoch: int
+    payload: Any = None
+
+
+@dataclass(frozen=True)
+class StartReplacement:
+    worker_id: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class KillWorker:
+    """End a worker presumed broken; its exit comes back as ``exited``."""
+    worker_id: int
+
+
+@dataclass(frozen=True)
+class Fatal:
+    worker_id: int
+    startup: bool  # it never started (or cannot): WorkerStartupError, else WorkerDiedError
+
+
+# -- workers ---------------------------------------------------------------------------
+
+@dataclass
+class WorkerRecord:
+    """One worker id: the one place its incarnation and readiness live."""
+
+    id: int
+    incarnation: int = 0  # 0 for the first actor, +1 per replacement (= its restarts)
+    info: dict | None = None  # the current incarnation's HELLO; None until it is ready
+    known: dict | None = None  # the last HELLO of any incarnation (pid, node)
+    active: bool = True  # this epoch: still has data (an IterableDataset's shard)
+    tasks: list[tuple[int, Any]] = field(default_factory=list)  # this epoch's, in order
+    ended_seq: int | None = None  # the slot of its END this epoch (IterableDataset)
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None
+
+    @property
+    def starting(self) -> bool:
+        """A replacement not ready yet (a first start is not a "replacement")."""
+        return self.incarnation > 0 and self.info is None
+
+
+class WorkerTable:
+    def __init__(self, num_workers: int) -> None:
+        self.records = [WorkerRecord(w) for w in range(num_workers)]
+
+    def __getitem__(self, worker_id: int) -> WorkerRecord:
+        return self.records[worker_id]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def new_epoch(self) -> None:
+        for rec in self.records:
+            rec.active, rec.tasks, rec.ended_seq = True, [], None
+
+    def ready_infos(self) -> dict[int, dict]:
+        return {r.id: r.info for r in self.records if r.info is not None}
+
+    def known_infos(self) -> dict[int, dict]:
+        return {r.id: r.known for r in self.records if r.known is not None}
+
+
+class Recovery(enum.Enum):
+    RESTART = "restart"  # a replacement with the same id; its tasks go on
+    STARTUP_FAILED = "startup failed"  # fatal: it never worked
+    DIED = "died"  # fatal: out of restarts
+
+
+def recovery(record: WorkerRecord, *, startup_error: bool, unplaced: bool,
+             max_restarts: int) -> Recovery:
+    """What a worker's exit calls for. A worker that never said HELLO failed to
+    start (unless Ray could not place it because its node went away: placed again,
+    like a death); one that died is replaced while restarts are left."""
+    fatal = (record.known is None and not unplaced) or startup_error
+    if fatal:
+        return Recovery.STARTUP_FAILED
+    if record.incarnation < max_restarts:
+        return Recovery.RESTART
+    return Recovery.DIED
+
+
+# -- the scheduler -----------------------------------------------------------------------
+
+class EpochScheduler:
+    def __init__(self, num_workers: int, prefetch_factor: int, *, in_order: bool = True,
+                 iterable: bool = False, max_restarts: int = 3,
+                 lost_timeout: float | None = None, lost_floor: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = prefetch_factor * num_workers
+        if self.capacity < 1:
+            raise ValueError(f"credit window capacity must be >= 1, got {self.capacity}")
+        self.num_workers, self.in_order, self.iterable = num_workers, in_order, iterable
+        self.max_restarts = max_restarts
+        self.clock = clock
+        self.workers = WorkerTable(num_workers)
+        self.ledger = TaskLedger(num_workers)
+        self.buffer = OrderingBuffer(in_order)
+        self.losses = LossWatch(num_workers, lost_timeout, lost_floor, clock)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.recoveries: list[dict] = []  # one per restart: when reported, when ready
+        self.epoch = 0
+        self._sent = 0  # the next seq
+        self._cycle = itertools.cycle(range(num_workers))
+        self._out: list[Any] = []
+
+    @property
+    def in_flight(self) -> int:
+        """Batches dispatched and not yet taken: the credits in use."""
+        return self.ledger.live()
+
+    def _actions(self) -> list[Any]:
+        out, self._out = self._out, []
+        return out
+
+    # -- epochs and dispatch ---------------------------------------------------------
+
+    def start_epoch(self, draw: Callable[[], Any], resume: Any = None) -> list[Any]:
+        """A new epoch whose index batches ``draw()`` returns (StopIteration at the
+        end); from the second on, every worker is told to RESUME with ``resume``.
+        (``draw`` is passed, never kept: the scheduler holds no reference to the
+        iterator that owns it.)"""
+        self.epoch += 1
+        self._sent = 0
+        self.buffer.reset()
+        self.ledger.reset()
+        self.losses.new_epoch()
+        self.workers.new_epoch()
+        self._cycle = itertools.cycle(range(self.num_workers))
+        if self.epoch > 1:
+            self._out += [Control(w, Kind.RESUME, self.epoch, resume)
+                          for w in range(self.num_workers)]
+        self._dispatch(draw, self.capacity)
+        return self._actions()
+
+    def _next_worker(self) -> int | None:
+        """torch's choice: the next active worker in turn; with ``in_order=False`` only
+        one holding fewer than its share of the window, so a slow worker cannot hoard it.
+        A map-style dataset's replacement that is still starting is passed over while
+        another worker can take the batch (an IterableDataset's shard is its worker's)."""
+        share = self.capacity // max(1, sum(r.active for r in self.workers.records))
+        fallback = None
+        for _ in range(self.num_workers):
+            rec = self.workers[next(self._cycle)]
+            if rec.active and (self.in_order or self.ledger.held(rec.id) < share):
+                if not rec.starting or self.iterable:
+                    return rec.id
+                fallback = rec.id if fallback is None else fallback
+        return fallback
+
+    def _dispatch(self, draw: Callable[[], Any], n: int) -> None:
+        """Draw up to ``n`` index batches, as credits allow, and send them as tasks."""
+        tasks: dict[int, list[tuple[int, Any]]] = collections.defaultdict(list)
+        for _ in range(n):
+            if self.in_flight >= self.capacity:
+                break
+            try:
+                index = draw()
+            except StopIteration:
+                break
+            w = self._next_worker()
+            if w is None:
+                # As torch: the drawn index is dropped. Only an IterableDataset (whose
+                # "indices" are placeholders) can have no worker here.
+                break
+            seq, self._sent = self._sent, self._sent + 1
+            idle = not self.ledger.outstanding(w)
+            self.ledger.dispatch(seq, w, index)
+            self.losses.sent(seq, w if idle else None)
+            self.workers[w].tasks.append((seq, index))
+            tasks[w].append((seq, index))
+        self._out += [SendTasks(w, self.epoch, batch) for w, batch in tasks.items()]
+
+    # -- the training loop's side -----------------------------------------------------
+
+    def take(self, draw: Callable[[], Any]) -> tuple[Any, list[Any]]:
+        """The next message for the training loop (END and ERROR included), ``None``
+        if it has not arrived, or ``EPOCH_END``; and the actions its credit allows
+        (new index batches come from ``draw``)."""
+        # Slots given to an IterableDataset worker after the task that found its shard
+        # exhausted hold nothing (one before it that is missing was lost: it is redone).
+        # Its tasks are never given to another worker, so "after" is a larger seq.
+        while self.buffer.next_seq < self._sent:
+            seq = self.buffer.next_seq
+            rec = self.workers[self.ledger.worker_of(seq)]
+            if seq in self.buffer or rec.active or seq < rec.ended_seq:
+                break
+            self.buffer.skip(seq)
+            self._taken(draw, seq)
+        ready = self.buffer.pop()
+        if ready is not None:
+            seq, msg = ready
+            self._taken(draw, seq)
+            return msg, self._actions()
+        if self.buffer.next_seq >= self._sent:
+            return EPOCH_END, self._actions()
+        return None, self._actions()
+
+    def _taken(self, draw: Callable[[], Any], seq: int) -> None:
+        self.ledger.consumed(seq)
+        self._dispatch(draw, 1)
+
+    # -- what the workers send ----------------------------------------------------------
+
+    def results(self, messages: list[Message]) -> list[Any]:
+        for msg in messages:
+            self._result(msg)
+        return self._actions()
+
+    def _result(self, msg: Message) -> None:
+        owner = self.ledger.worker_of(msg.seq)
+        if msg.epoch != self.epoch or owner is None:
+            self.counters["stale"] += 1
+            return
+        if msg.worker_id != owner and self.iterable:
+            self.counters["misrouted"] += 1
+            return
+        # (A map-style batch given to another worker may come from its first owner: the
+        # same batch, and the first copy to arrive counts.)
+        fresh = self.ledger.received(msg.seq)
+        if msg.worker_id == owner:  # a duplicate can overtake a loss too
+            lost = self.losses.result(owner, msg.seq, self.ledger.outstanding(owner))
+            if lost:
+                self.counters["lost"] += len(lost)
+                self._recompute(owner, lost)
+        if not fresh:  # e.g. late, from a worker presumed dead; or redone
+            self.counters["duplicate"] += 1
+            return
+        if msg.kind is Kind.END:
+            rec = self.workers[msg.worker_id]
+            rec.active, rec.ended_seq = False, msg.seq
+        if not self.buffer.put(msg.seq, msg):
+            self.counters["stale"] += 1
+
+    def ready(self, worker_id: int, info: dict) -> list[Any]:
+        """The current incarnation of ``worker_id`` said HELLO."""
+        rec = self.workers[worker_id]
+        rec.info = rec.known = info
+        self.losses.alive(worker_id)
+        for r in self.recoveries:
+            if r["worker"] == worker_id and "ready_at" not in r:
+                r["ready_at"] = self.clock()
+        return self._actions()
+
+    def exited(self, worker_id: int, incarnation: int, *, startup_error: bool = False,
+               unplaced: bool = False, cause: str = "?", at: float | None = None
+               ) -> list[Any]:
+        """A worker's actor ended (its ``serve`` call returned or failed)."""
+        rec = self.workers[worker_id]
+        if incarnation != rec.incarnation:
+            return []  # a predecessor, replaced already
+        decision = recovery(rec, startup_error=startup_error, unplaced=unplaced,
+                            max_restarts=self.max_restarts)
+        if decision is not Recovery.RESTART:
+            return [Fatal(worker_id, startup=decision is Recovery.STARTUP_FAILED)]
+        self.recoveries.append({"worker": worker_id,
+                                "reported_at": self.clock() if at is None else at,
+                                "cause": cause})
+        self._restart(worker_id)
+        return self._actions()
+
+    def _restart(self, w: int) -> None:
+        """A replacement with the same worker id gets every task of this epoch whose
+        result has not arrived (map-style: the survivors take them at once)."""
+        rec = self.workers[w]
+        rec.incarnation += 1
+        rec.info = None
+        self.counters["restarted"] += 1
+        self.losses.replaced(w)
+        self._out.append(StartReplacement(w, rec.incarnation))
+        tasks = self.ledger.outstanding(w)
+        if self.iterable:
+            # The shard is this worker's: the replacement passes over the batches before
+            # the first one missing, then redoes every task from there on (results that
+            # did arrive come again as duplicates and are dropped).
+            first = min((seq for seq, _ in tasks), default=None)
+            at = next((i for i, (seq, _) in enumerate(rec.tasks) if seq == first),
+                      len(rec.tasks))
+            if at:
+                self._out.append(Control(w, Kind.SKIP, self.epoch, at))
+            tasks = rec.tasks[at:]
+        elif self._hand_over(w, tasks):
+            return  # the survivors compute them now; the replacement takes new tasks
+        if tasks:
+            self.counters["redispatched"] += len(tasks)
+            for seq, _ in tasks:
+                self.losses.sent(seq)
+            self._out.append(SendTasks(w, self.epoch, tasks))
+
+    # -- lost batches -----------------------------------------------------------------
+
+    def check_lost(self) -> list[Any]:
+        """A worker that holds tasks and has sent nothing for the lost-batch limit lost
+        them (a frame or task dropped with a connection): compute them again."""
+        silent = self.losses.silent(self.workers.ready_infos())
+        # (An idle worker's silence says nothing; one that held tasks is avoided below.)
+        lost = {w: tasks for w in silent if (tasks := self.ledger.outstanding(w))}
+        for w, tasks in lost.items():
+            self.counters["lost"] += len(tasks)
+            self._recompute(w, tasks, avoid=set(lost))
+        return self._actions()
+
+    def _recompute(self, w: int, tasks: list[tuple[int, Any]],
+                   avoid: set[int] = frozenset()) -> None:
+        """A map-style batch by the ready worker holding least (not one of ``avoid``,
+        also silent; ``w`` itself if it is alone), an IterableDataset's by a
+        replacement of ``w`` (only it can produce the rest of its shard), which starts
+        after what ``w`` delivered."""
+        if self.iterable:
+            self.counters["replaced_for_lost"] += 1
+            self._out.append(KillWorker(w))  # its exit comes back: it is replaced
+            return
+        self._hand_over(w, tasks, keep_owner_if_alone=True, avoid=avoid)
+
+    def _hand_over(self, w: int, tasks: list[tuple[int, Any]],
+                   keep_owner_if_alone: bool = False, avoid: set[int] = frozenset()) -> bool:
+        """Give map-style ``tasks`` of ``w`` to the other ready workers at once; False if
+        there is none (they wait for ``w``'s replacement)."""
+        others = [r.id for r in self.workers.records
+                  if r.id != w and r.ready and r.active and r.id not in avoid]
+        if not others:
+            if not keep_owner_if_alone:
+                return False
+            others = [w]
+        sent: dict[int, list[tuple[int, Any]]] = collections.defaultdict(list)
+        for seq, _ in tasks:
+            v = min(others, key=self.ledger.held)
+            sent[v].append((seq, self.ledger.reassign(seq, v)))
+            self.losses.sent(seq)
+        for v, batch in sent.items():
+            self.counters["handed_over"] += len(batch) if v != w else 0
+            self._out.append(SendTasks(v, self.epoch, batch))
+        return True
+

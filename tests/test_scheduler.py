@@ -1,0 +1,281 @@
+"""EpochScheduler without Ray, sockets or threads: events in, actions out."""
+
+import collections
+import random
+
+import pytest
+
+from dpex._protocol import Kind, Message
+from dpex.client._scheduler import (
+    EPOCH_END,
+    Control,
+    EpochScheduler,
+    Fatal,
+    KillWorker,
+    SendTasks,
+    StartReplacement,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def NONE():
+    raise StopIteration
+
+
+def draw_from(batches):
+    it = iter(batches)
+    return lambda: next(it)
+
+
+def msg(epoch, seq, worker, kind=Kind.BATCH, payload=None):
+    return Message(kind, b"s", epoch, seq, worker, payload)
+
+
+def sends(actions):
+    return {(a.worker_id, tuple(seq for seq, _ in a.tasks)) for a in actions
+            if isinstance(a, SendTasks)}
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        EpochScheduler(2, 0)
+
+
+def test_round_robin_within_the_credit_window_and_one_task_per_credit_returned():
+    s, draw = EpochScheduler(2, 2), draw_from([[i] for i in range(10)])
+    actions = s.start_epoch(draw)
+    assert sends(actions) == {(0, (0, 2)), (1, (1, 3))} and s.in_flight == 4
+    assert s.results([msg(1, 1, 1, payload="b1")]) == []
+    assert s.take(draw) == (None, [])  # slot 0 first: in order
+    s.results([msg(1, 0, 0, payload="b0")])
+    got, actions = s.take(draw)
+    assert got.payload == "b0" and sends(actions) == {(0, (4,))} and s.in_flight == 4
+    got, actions = s.take(draw)
+    assert got.payload == "b1" and sends(actions) == {(1, (5,))}
+
+
+def test_stale_duplicate_and_misrouted_results_are_counted_and_dropped():
+    s = EpochScheduler(2, 1, iterable=True)
+    s.start_epoch(draw_from([None] * 4))
+    s.results([msg(0, 0, 0), msg(1, 0, 1)])  # an old epoch's; another worker's slot
+    assert s.counters == {"stale": 1, "misrouted": 1}
+    s.results([msg(1, 0, 0, payload="x"), msg(1, 0, 0, payload="y")])
+    assert s.counters["duplicate"] == 1
+    assert s.take(NONE)[0].payload == "x"
+
+
+def test_a_dead_workers_map_tasks_go_to_the_survivor_at_once_after_its_replacement_starts():
+    s = EpochScheduler(2, 2, max_restarts=1)
+    s.start_epoch(draw_from([[i] for i in range(8)]))
+    s.ready(0, {"pid": 10})
+    s.ready(1, {"pid": 11})
+    actions = s.exited(1, 0, cause="RayActorError")
+    assert isinstance(actions[0], StartReplacement) and actions[0].incarnation == 1
+    assert sends(actions[1:]) == {(0, (1, 3))}
+    assert s.workers[1].starting and s.counters["handed_over"] == 2
+    assert s.exited(1, 0) == []  # the predecessor again: already replaced
+    s.ready(1, {"pid": 12})
+    assert s.exited(1, 1) == [Fatal(1, startup=False)]  # out of restarts
+
+
+def test_a_worker_that_never_said_hello_failed_to_start_unless_ray_could_not_place_it():
+    s = EpochScheduler(2, 2)
+    s.start_epoch(draw_from([[i] for i in range(8)]))
+    assert s.exited(0, 0) == [Fatal(0, startup=True)]
+    assert isinstance(s.exited(0, 0, unplaced=True)[0], StartReplacement)
+
+
+def test_an_iterable_replacement_skips_what_its_predecessor_delivered_and_redoes_the_rest():
+    s = EpochScheduler(1, 3, iterable=True)
+    s.start_epoch(draw_from([None] * 6))
+    s.ready(0, {})
+    s.results([msg(1, 0, 0, payload="a")])
+    actions = s.exited(0, 0)
+    assert actions[:2] == [StartReplacement(0, 1), Control(0, Kind.SKIP, 1, 1)]
+    assert sends(actions[2:]) == {(0, (1, 2))}
+
+
+def test_an_iterable_batch_lost_before_its_workers_end_is_waited_for_not_passed_over():
+    s = EpochScheduler(1, 3, iterable=True)
+    s.start_epoch(draw_from([None] * 6))
+    s.ready(0, {})
+    assert s.results([msg(1, 1, 0, kind=Kind.END)]) == [KillWorker(0)]  # seq 0 was lost
+    actions = s.exited(0, 0)
+    assert actions[0] == StartReplacement(0, 1) and sends(actions[1:]) == {(0, (0, 1, 2))}
+    assert s.take(NONE) == (None, [])  # slot 0 is redone, not an empty slot after the END
+    s.results([msg(1, 0, 0, payload="a")])
+    assert s.take(NONE)[0].payload == "a"
+    assert s.take(NONE)[0].kind is Kind.END and s.take(NONE)[0] is EPOCH_END
+
+
+def test_a_result_that_overtakes_a_lost_task_sends_it_to_another_worker():
+    s = EpochScheduler(2, 2)
+    s.start_epoch(draw_from([[i] for i in range(4)]))
+    s.ready(0, {})
+    s.ready(1, {})
+    s.results([msg(1, 1, 1)])
+    actions = s.results([msg(1, 2, 0)])  # worker 0's seq 0 was lost on the way
+    assert sends(actions) == {(1, (0,))} and s.counters["lost"] == 1
+
+
+def test_a_silent_worker_past_its_first_batch_has_its_tasks_computed_again():
+    clock = Clock()
+    s = EpochScheduler(2, 2, lost_timeout=5.0, clock=clock)
+    s.start_epoch(draw_from([[i] for i in range(4)]))
+    s.ready(0, {})
+    s.ready(1, {})
+    s.results([msg(1, 0, 0), msg(1, 1, 1), msg(1, 3, 1)])
+    clock.now += 6  # both silent, but only worker 0 held a task: worker 1 computes it
+    assert sends(s.check_lost()) == {(1, (2,))}
+    clock.now += 1
+    assert s.check_lost() == []  # judged again only after another limit
+
+
+def test_tasks_of_silent_workers_are_not_handed_to_one_another():
+    clock = Clock()
+    s = EpochScheduler(3, 2, lost_timeout=5.0, clock=clock)
+    s.start_epoch(draw_from([[i] for i in range(6)]))
+    for w in range(3):
+        s.ready(w, {})
+    s.results([msg(1, 0, 0), msg(1, 1, 1), msg(1, 2, 2), msg(1, 5, 2)])
+    clock.now += 6  # 0 and 1 lost seq 3 and 4 (a cut link): worker 2 computes both
+    assert sends(s.check_lost()) == {(2, (3,)), (2, (4,))}
+
+
+def test_an_iterable_worker_silent_too_long_is_killed_and_replaced():
+    clock = Clock()
+    s = EpochScheduler(1, 2, iterable=True, lost_timeout=5.0, clock=clock)
+    s.start_epoch(draw_from([None] * 4))
+    s.ready(0, {})
+    s.results([msg(1, 0, 0)])
+    clock.now += 6
+    assert s.check_lost() == [KillWorker(0)]
+
+
+# -- a randomized run ----------------------------------------------------------------------
+
+class Sim:
+    """Workers that compute their tasks in order, a network that drops, duplicates and
+    delays results, deaths reported late by Ray, replacements that start late."""
+
+    def __init__(self, rng, num_workers, prefetch, iterable=False, shard=0):
+        self.rng, self.clock = rng, Clock()
+        self.s = EpochScheduler(num_workers, prefetch, iterable=iterable, max_restarts=10**6,
+                                lost_timeout=5.0, clock=self.clock)
+        self.iterable, self.shard = iterable, shard
+        self.inc = [0] * num_workers
+        self.queue = [collections.deque() for _ in range(num_workers)]
+        self.ready = [False] * num_workers
+        self.dead = set()  # killed; Ray has not reported it yet
+        self.transit = [collections.deque() for _ in range(num_workers)]
+        self.made = [0] * num_workers  # an IterableDataset worker's place in its shard
+        self.skip = [None] * num_workers
+
+    def apply(self, actions):
+        for a in actions:
+            assert self.s.in_flight <= self.s.capacity
+            if isinstance(a, SendTasks):
+                if a.worker_id not in self.dead:  # else lost with the dead actor
+                    self.queue[a.worker_id].extend((a.epoch, seq, idx) for seq, idx in a.tasks)
+            elif isinstance(a, StartReplacement):
+                w = a.worker_id
+                self.inc[w], self.queue[w], self.ready[w] = a.incarnation, collections.deque(), False
+                self.dead.discard(w)
+                self.made[w], self.skip[w] = 0, None
+            elif isinstance(a, Control) and a.kind is Kind.SKIP:
+                self.skip[a.worker_id] = a.payload
+            elif isinstance(a, Control) and a.kind is Kind.RESUME:  # as DpexWorker:
+                w = a.worker_id  # a new shard; tasks of earlier epochs are passed over
+                self.made[w], self.skip[w] = 0, None
+                self.queue[w] = collections.deque(t for t in self.queue[w] if t[0] >= a.epoch)
+            elif isinstance(a, KillWorker):
+                self.kill(a.worker_id)
+            else:
+                assert not isinstance(a, Fatal), a
+
+    def kill(self, w):
+        self.dead.add(w)
+        self.queue[w].clear()
+        self.transit[w].clear()  # lost with the connection
+
+    def compute(self, w):
+        epoch, seq, idx = self.queue[w].popleft()
+        if not self.iterable:
+            return msg(epoch, seq, w, payload=idx)
+        if self.skip[w] is not None:
+            self.made[w], self.skip[w] = self.skip[w], None
+        n, self.made[w] = self.made[w], self.made[w] + 1
+        if n >= self.shard:
+            return msg(epoch, seq, w, kind=Kind.END)
+        return msg(epoch, seq, w, payload=(w, n))
+
+    def step(self):
+        rng, s, n = self.rng, self.s, len(self.inc)
+        self.clock.now += 0.05
+        r = rng.random()
+        w = rng.randrange(n)
+        if r < 0.30:  # a worker computes a task; the result is lost, doubled or sent
+            if self.ready[w] and w not in self.dead and self.queue[w]:
+                result = self.compute(w)
+                fate = rng.random()
+                if fate > 0.03:
+                    self.transit[w].append(result)
+                if fate > 0.97:
+                    self.transit[w].append(result)
+        elif r < 0.55:  # some results arrive (each worker's in order)
+            out = [self.transit[w].popleft() for _ in range(rng.randint(0, len(self.transit[w])))]
+            self.apply(s.results(out))
+        elif r < 0.57 and w not in self.dead and s.workers[w].known is not None:
+            self.kill(w)  # (a first start that dies before HELLO is fatal: not here)
+        elif r < 0.62 and w in self.dead:  # Ray reports the death
+            self.apply(s.exited(w, self.inc[w]))
+        elif r < 0.70 and not self.ready[w] and w not in self.dead:
+            self.ready[w] = True
+            self.apply(s.ready(w, {"pid": w}))
+        elif r < 0.72:
+            self.apply(s.check_lost())
+        else:
+            got, actions = s.take(self.draw)
+            self.apply(actions)
+            return got
+        return None
+
+    def epoch(self, batches, limit=200_000):
+        self.draw = draw_from(batches)
+        self.apply(self.s.start_epoch(self.draw))
+        out = []
+        for _ in range(limit):
+            got = self.step()
+            if got is EPOCH_END:
+                return out
+            if got is not None and got.kind is not Kind.END:
+                out.append(got.payload)
+        raise AssertionError(f"the epoch did not end: {len(out)} batches, {self.s.counters}")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_scrambled_arrivals_losses_deaths_and_restarts_still_give_the_exact_epochs(seed):
+    rng = random.Random(seed)
+    sim = Sim(rng, num_workers=rng.randint(1, 4), prefetch=rng.randint(1, 3))
+    for _ in range(3):  # results of an earlier epoch may still be on the way
+        batches = [[i, rng.random()] for i in range(rng.randint(0, 40))]
+        assert sim.epoch(batches) == batches
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_an_iterable_dataset_gets_each_shard_exactly_whatever_happens(seed):
+    rng = random.Random(seed)
+    workers, shard = rng.randint(1, 3), rng.randint(0, 12)
+    sim = Sim(rng, num_workers=workers, prefetch=rng.randint(1, 3), iterable=True, shard=shard)
+    for _ in range(2):
+        got = sim.epoch(iter(lambda: None, 0))  # placeholders, drawn without end
+        for w in range(workers):  # each shard whole and in order; shards interleaved
+            assert [n for v, n in got if v == w] == list(range(shard))
+        assert len(got) == workers * shard
