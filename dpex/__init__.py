@@ -5,6 +5,7 @@ torch's DataLoader would, computed by Ray actors and streamed over ZeroMQ.
 """
 
 from dpex._config import DpexConfig
+from dpex._stats import LoaderStats, stats_prometheus
 from dpex._version import __version__
 from dpex.dataloader import DpexDataLoader
 from dpex.errors import (
@@ -24,6 +25,8 @@ from dpex.errors import (
 __all__ = [
     "DpexDataLoader",
     "DpexConfig",
+    "LoaderStats",
+    "stats_prometheus",
     "DpexError",
     "RayConnectionError",
     "DatasetNotPicklableError",

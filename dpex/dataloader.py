@@ -16,6 +16,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from dpex._config import DpexConfig
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
+from dpex._stats import LoaderStats
 from dpex.errors import DpexDroppedWarning
 
 __all__ = ["DpexDataLoader"]
@@ -273,13 +274,14 @@ class DpexDataLoader(DataLoader[T_co]):
         self._latest = weakref.ref(iterator)
         return iterator
 
-    def stats(self) -> dict:
+    def stats(self) -> LoaderStats:
         """Counters of the newest iterator, running or finished (``{}`` if there is none):
-        messages received (and how many through the same-node ring), rejected by reason
-        (``mac``, ``session``, ``too-large``, ...), dropped (stale, duplicate,
-        restarted, redispatched), recoveries, credits in flight, workers ready and
-        each worker's transport. A finished iterator that was already collected
-        reports what it counted when it shut down."""
+        the data-stall share (how much of the epoch the training loop waited for data),
+        each worker's batches/s and transport, credits in flight, messages received,
+        rejected and dropped by reason, and recoveries; every key in docs/STATS.md
+        (``dpex.stats_prometheus(loader)`` gives them in Prometheus' format). A
+        finished iterator that was already collected reports what it counted when it
+        shut down."""
         iterator = self._latest() if self._latest is not None else None
         return iterator.stats() if iterator is not None else dict(self._final_stats)
 

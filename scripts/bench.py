@@ -144,8 +144,14 @@ def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
         next(it)
         ttfb_warm = time.perf_counter() - t1
         cpu0, t1 = time.process_time(), time.perf_counter()
-        n = 1
-        for batch in it:
+        n, waited = 1, 0.0
+        while True:  # the loop body is empty: the share waited in next() is the stall
+            t = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            waited += time.perf_counter() - t
             nbytes += batch.numel() * batch.element_size()
             n += 1
         elapsed, cpu = time.perf_counter() - t1, time.process_time() - cpu0
@@ -156,7 +162,8 @@ def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
         loader._iterator._shutdown_workers()
     return {"batches_per_s": (n - 1) / elapsed, "gb_per_s": nbytes / elapsed / 1e9,
             "cpu_us_per_batch": cpu / (n - 1) * 1e6, "ttfb_cold_ms": ttfb_cold * 1e3,
-            "ttfb_warm_ms": ttfb_warm * 1e3, "peak_rss_mib": (rss.peak - rss.base) / 2**20}
+            "ttfb_warm_ms": ttfb_warm * 1e3, "peak_rss_mib": (rss.peak - rss.base) / 2**20,
+            "data_wait_pct": 100 * waited / elapsed}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -169,8 +176,8 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(results: dict) -> str:
     rows = ["| scenario | loader | batches/s (min–max) | GB/s | dpex/torch | trainer CPU µs/batch "
-            "| first batch cold ms | first batch warm ms | peak RSS +MiB |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "| first batch cold ms | first batch warm ms | peak RSS +MiB | waited in next() % |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for scenario, by_loader in results.items():
         t = by_loader["torch"]["batches_per_s"]["median"]
         for name in by_loader:
@@ -181,7 +188,8 @@ def table(results: dict) -> str:
                 f"| {scenario} | {name} | {b['median']:.0f} ({b['min']:.0f}–{b['max']:.0f}) | "
                 f"{s['gb_per_s']['median']:.2f} | {ratio} | "
                 f"{s['cpu_us_per_batch']['median']:.0f} | {s['ttfb_cold_ms']['median']:.0f} | "
-                f"{s['ttfb_warm_ms']['median']:.0f} | {s['peak_rss_mib']['median']:.0f} |")
+                f"{s['ttfb_warm_ms']['median']:.0f} | {s['peak_rss_mib']['median']:.0f} | "
+                f"{s['data_wait_pct']['median']:.0f} |")
     return "\n".join(rows)
 
 

@@ -53,8 +53,11 @@ def run(name: str, loader: DataLoader, epochs: int) -> tuple[list[float], list[t
             sums.append(x.double().sum() + y.sum())
         took = time.perf_counter() - t0
         rates.append(len(loader) / took)
+        stall = ""
+        if isinstance(loader, DpexDataLoader):  # how much of the epoch the loop waited
+            stall = f", waited for data {100 * loader.stats()['data_wait_share']:.0f} % of it"
         print(f"{name:>5} epoch {epoch + 1}: {len(loader)} batches in {took:.1f} s "
-              f"({rates[-1]:.1f} batches/s)", flush=True)
+              f"({rates[-1]:.1f} batches/s{stall})", flush=True)
     return rates, sums
 
 

@@ -1,4 +1,4 @@
-"""The README's example runs as written (a user copies it first)."""
+"""The examples of README.md and docs pages run as written (a user copies them first)."""
 
 import os
 import re
@@ -15,10 +15,11 @@ def python_blocks(path):
         return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
 
 
-@pytest.mark.timeout(120)
-def test_readme_example_runs_on_the_embedded_local_ray():
-    blocks = python_blocks(os.path.join(ROOT, "README.md"))
-    assert blocks, "README.md has no python example"
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("page", ["README.md", "docs/STATS.md"])
+def test_the_examples_of_a_page_run_on_the_embedded_local_ray(page):
+    blocks = python_blocks(os.path.join(ROOT, page))
+    assert blocks, f"{page} has no python example"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     for code in blocks:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

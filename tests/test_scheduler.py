@@ -48,17 +48,39 @@ def test_capacity_must_be_positive():
         EpochScheduler(2, 0)
 
 
-def test_round_robin_within_the_credit_window_and_one_task_per_credit_returned():
+def test_round_robin_within_the_credit_window_and_tasks_go_out_in_groups():
     s, draw = EpochScheduler(2, 2), draw_from([[i] for i in range(10)])
     actions = s.start_epoch(draw)
     assert sends(actions) == {(0, (0, 2)), (1, (1, 3))} and s.in_flight == 4
+    assert s.group == 2
     assert s.results([msg(1, 1, 1, payload="b1")]) == []
     assert s.take(draw) == (None, [])  # slot 0 first: in order
     s.results([msg(1, 0, 0, payload="b0")])
+    got, actions = s.take(draw)  # seq 4 is drawn (torch's moment) and waits for a group
+    assert got.payload == "b0" and actions == [] and s.in_flight == 4
     got, actions = s.take(draw)
-    assert got.payload == "b0" and sends(actions) == {(0, (4,))} and s.in_flight == 4
-    got, actions = s.take(draw)
-    assert got.payload == "b1" and sends(actions) == {(1, (5,))}
+    assert got.payload == "b1" and sends(actions) == {(0, (4,)), (1, (5,))}
+
+
+def test_a_worker_with_nothing_else_to_do_gets_its_task_at_once():
+    s, draw = EpochScheduler(2, 2), draw_from([[i] for i in range(10)])
+    s.start_epoch(draw)
+    s.results([msg(1, 0, 0), msg(1, 2, 0)])  # worker 0 has done all it was given
+    _, actions = s.take(draw)
+    assert sends(actions) == {(0, (4,))}
+
+
+def test_the_slot_waited_for_is_never_left_unsent():
+    s, draw = EpochScheduler(1, 4), draw_from([[i] for i in range(10)])
+    s.start_epoch(draw)  # seq 0-3 sent; group 2
+    s.results([msg(1, 0, 0)])
+    _, actions = s.take(draw)  # seq 4 queued: worker 0 still has 1-3
+    assert actions == []
+    s.results([msg(1, n, 0) for n in (1, 2, 3)])
+    for _ in range(3):
+        s.take(draw)
+    assert s.take(draw)[0] is None and s.in_flight == 4  # 4-7: sent by now
+    assert s.ledger.pending(0) == 4 and not s._unsent
 
 
 def test_stale_duplicate_and_misrouted_results_are_counted_and_dropped():
@@ -179,6 +201,9 @@ class Sim:
         self.skip = [None] * num_workers
 
     def apply(self, actions):
+        ledger = self.s.ledger
+        for w in range(len(self.inc)):
+            assert ledger.pending(w) == len(ledger.outstanding(w))
         for a in actions:
             assert self.s.in_flight <= self.s.capacity
             if isinstance(a, SendTasks):

@@ -30,6 +30,7 @@ from dpex._protocol import Kind, Wire
 from dpex._ray_connect import connect_ray, node_address
 from dpex._reaper import finalizer_for
 from dpex._shm import RingRef
+from dpex._stats import LoaderStats, WorkerStats
 from dpex._version import local_versions
 from dpex.client._events import LoopFailure, WorkerExit, WorkerHello
 from dpex.client._scheduler import (
@@ -160,24 +161,29 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             if self._runtime.closed:
                 raise DpexError("this dpex iterator was closed; iterate the loader again")
             self._worker_shared_seed = self._shared_seed
+        self._epoch_t0, self._epoch_end, self._wait_s = time.monotonic(), None, 0.0
         # The RESUME payload is the IterDataPipe seed of the new epoch (None otherwise).
         self._apply(self._sched.start_epoch(self._next_index, resume=self._shared_seed))
 
     def _apply(self, actions: list[Any]) -> None:
-        """Carry out the scheduler's actions, in its order."""
+        """Carry out the scheduler's actions, in its order; the messages among them go
+        to the loop thread together (one wake-up)."""
+        messages: list[SendTasks | Control] = []
         for action in actions:
-            if isinstance(action, SendTasks):
-                self._loop.call_soon(self._session.send_tasks, action.worker_id,
-                                     action.epoch, action.tasks)
-            elif isinstance(action, Control):
-                self._loop.call_soon(self._session.send, action.worker_id, action.kind,
-                                     action.epoch, action.payload)
-            elif isinstance(action, StartReplacement):
+            if isinstance(action, (SendTasks, Control)):
+                messages.append(action)
+                continue
+            if messages:
+                self._loop.call_soon(self._session.send_all, messages)
+                messages = []
+            if isinstance(action, StartReplacement):
                 self._start_replacement(action.worker_id, action.incarnation)
             elif isinstance(action, KillWorker):
                 self._runtime.workers.kill(action.worker_id)
             else:
                 raise AssertionError(f"unknown scheduler action {action!r}")
+        if messages:
+            self._loop.call_soon(self._session.send_all, messages)
 
     @property
     def _epoch(self) -> int:
@@ -215,11 +221,16 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             msg, actions = self._sched.take(self._next_index)
             self._apply(actions)
             if msg is EPOCH_END:
+                self._epoch_end = time.monotonic()
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
             if msg is None:
-                self._receive_one()
+                waited = time.monotonic()
+                try:
+                    self._receive_one()
+                finally:
+                    self._wait_s += time.monotonic() - waited
                 continue
             if msg.kind is Kind.END:
                 continue
@@ -402,17 +413,30 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         """True once this iterator's workers, sockets and thread are stopped."""
         return self._runtime.closed
 
-    def stats(self) -> dict:
-        """Counters of this iterator (messages received, rejected and dropped)."""
+    def stats(self) -> LoaderStats:
+        """This iterator's counters and data-stall figures (docs/STATS.md)."""
         if self._loop.running:
             session = self._loop.run(self._session.snapshot(), timeout=5.0)
         else:  # the loop thread is gone: nothing changes the counters any more
             session = self._session.counters()
+        now = time.monotonic()
+        epoch_s = (self._epoch_end or now) - self._epoch_t0
+        workers: dict[int, WorkerStats] = {}
+        for rec in self._sched.workers.records:
+            if rec.known is None:
+                continue
+            info = {k: rec.known[k] for k in ("pid", "session_pid", "node_ip", "node_id",
+                                              "transport") if k in rec.known}
+            up = now - rec.first_ready_at if rec.first_ready_at is not None else 0.0
+            workers[rec.id] = {**info, "batches": rec.batches,
+                               "batches_per_s": rec.batches / up if up > 0 else 0.0}
         return {
             "epoch": self._epoch,
+            "epoch_s": epoch_s,
+            "data_wait_s": self._wait_s,
+            "data_wait_share": self._wait_s / epoch_s if epoch_s > 0 else 0.0,
             "workers_ready": len(self._ready),
-            "workers": {w: {k: info.get(k) for k in ("pid", "session_pid", "node_ip", "node_id", "transport")}
-                        for w, info in sorted(self._known.items())},
+            "workers": workers,
             "credits_in_flight": self._sched.in_flight,
             **session,
             "dropped": dict(self._sched.counters),

@@ -6,6 +6,7 @@ loop, which returns its credit). Invariant, per worker ``w``::
 
     outstanding(w) == [tasks of w dispatched and not yet received], in seq order
     held(w) == number of tasks of w dispatched and not yet consumed
+    pending(w) == len(outstanding(w))
 
 When a worker dies, ``outstanding(w)`` is exactly what must be sent again, and
 ``delivered(w)`` is how many of its results this epoch already reached the
@@ -29,6 +30,7 @@ class TaskLedger:
         self._worker: dict[int, int] = {}
         self._indices: dict[int, Any] = {}  # dispatched, not yet received
         self._held = [0] * self.num_workers
+        self._pending = [0] * self.num_workers  # dispatched, not yet received
         self._delivered = [0] * self.num_workers
 
     def dispatch(self, seq: int, worker_id: int, indices: Any) -> None:
@@ -37,6 +39,7 @@ class TaskLedger:
         self._worker[seq] = worker_id
         self._indices[seq] = indices
         self._held[worker_id] += 1
+        self._pending[worker_id] += 1
 
     def reassign(self, seq: int, worker_id: int) -> Any:
         """Give the outstanding task ``seq`` to ``worker_id`` (its worker died or its
@@ -44,8 +47,10 @@ class TaskLedger:
         if seq not in self._indices:
             raise ValueError(f"task {seq} is not outstanding")
         self._held[self._worker[seq]] -= 1
+        self._pending[self._worker[seq]] -= 1
         self._worker[seq] = worker_id
         self._held[worker_id] += 1
+        self._pending[worker_id] += 1
         return self._indices[seq]
 
     def worker_of(self, seq: int) -> int | None:
@@ -58,14 +63,16 @@ class TaskLedger:
         if self._indices.pop(seq, _MISSING) is _MISSING:
             return False
         self._delivered[self._worker[seq]] += 1
+        self._pending[self._worker[seq]] -= 1
         return True
 
     def consumed(self, seq: int) -> None:
         """The training loop took (or skipped) ``seq``: its slot is free."""
         w = self._worker.pop(seq, None)
-        self._indices.pop(seq, None)
         if w is not None:
             self._held[w] -= 1
+            if self._indices.pop(seq, _MISSING) is not _MISSING:
+                self._pending[w] -= 1
 
     def live(self) -> int:
         """Tasks dispatched and not yet consumed, over all workers."""
@@ -73,6 +80,10 @@ class TaskLedger:
 
     def held(self, worker_id: int) -> int:
         return self._held[worker_id]
+
+    def pending(self, worker_id: int) -> int:
+        """How many tasks of ``worker_id`` have no result yet (``len(outstanding(w))``)."""
+        return self._pending[worker_id]
 
     def delivered(self, worker_id: int) -> int:
         return self._delivered[worker_id]

@@ -66,6 +66,7 @@ class SendTasks:
     worker_id: int
     epoch: int
     tasks: list[tuple[int, Any]]  # (seq, indices), in the order the worker runs them
+    kind = Kind.TASKS
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class WorkerRecord:
     active: bool = True  # this epoch: still has data (an IterableDataset's shard)
     tasks: list[tuple[int, Any]] = field(default_factory=list)  # this epoch's, in order
     ended_seq: int | None = None  # the slot of its END this epoch (IterableDataset)
+    batches: int = 0  # its results that counted, this iterator
+    first_ready_at: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -181,6 +184,13 @@ class EpochScheduler:
         self._sent = 0  # the next seq
         self._cycle = itertools.cycle(range(num_workers))
         self._out: list[Any] = []
+        # Tasks drawn (at torch's moment: one per slot taken) but not yet sent. They go
+        # out in groups, so the loop thread wakes once per group, not once per batch:
+        # when ``group`` have gathered, when a worker has nothing else to do, or when
+        # the training loop is about to wait for the one slot that is unsent.
+        self.group = max(1, self.capacity // 2)
+        self._unsent: dict[int, list[tuple[int, Any]]] = {}
+        self._unsent_count = 0
 
     @property
     def in_flight(self) -> int:
@@ -205,10 +215,12 @@ class EpochScheduler:
         self.losses.new_epoch()
         self.workers.new_epoch()
         self._cycle = itertools.cycle(range(self.num_workers))
+        self._unsent, self._unsent_count = {}, 0
         if self.epoch > 1:
             self._out += [Control(w, Kind.RESUME, self.epoch, resume)
                           for w in range(self.num_workers)]
         self._dispatch(draw, self.capacity)
+        self._flush()
         return self._actions()
 
     def _next_worker(self) -> int | None:
@@ -227,8 +239,7 @@ class EpochScheduler:
         return fallback
 
     def _dispatch(self, draw: Callable[[], Any], n: int) -> None:
-        """Draw up to ``n`` index batches, as credits allow, and send them as tasks."""
-        tasks: dict[int, list[tuple[int, Any]]] = collections.defaultdict(list)
+        """Draw up to ``n`` index batches, as credits allow, and queue them as tasks."""
         for _ in range(n):
             if self.in_flight >= self.capacity:
                 break
@@ -242,12 +253,34 @@ class EpochScheduler:
                 # "indices" are placeholders) can have no worker here.
                 break
             seq, self._sent = self._sent, self._sent + 1
-            idle = not self.ledger.outstanding(w)
             self.ledger.dispatch(seq, w, index)
-            self.losses.sent(seq, w if idle else None)
             self.workers[w].tasks.append((seq, index))
-            tasks[w].append((seq, index))
-        self._out += [SendTasks(w, self.epoch, batch) for w, batch in tasks.items()]
+            self._unsent.setdefault(w, []).append((seq, index))
+            self._unsent_count += 1
+
+    def _starving(self, w: int) -> bool:
+        """Every task ``w`` has is still here: it has nothing to compute."""
+        return self.ledger.pending(w) == len(self._unsent.get(w, ()))
+
+    def _flush(self, only_if_needed: bool = False) -> None:
+        """Send the queued tasks (with ``only_if_needed``: when a group has gathered, a
+        worker would go idle, or the next slot's task is among them)."""
+        if not self._unsent_count:
+            return
+        if only_if_needed and self._unsent_count < self.group and not any(
+                self._starving(w) for w in self._unsent):
+            return
+        for w, tasks in self._unsent.items():
+            idle = self._starving(w)
+            for seq, _ in tasks:
+                self.losses.sent(seq, w if idle else None)
+                idle = False
+            self._out.append(SendTasks(w, self.epoch, tasks))
+        self._unsent, self._unsent_count = {}, 0
+
+    def _unqueue(self, w: int) -> None:
+        """Forget ``w``'s queued tasks: they are re-routed with its outstanding ones."""
+        self._unsent_count -= len(self._unsent.pop(w, ()))
 
     # -- the training loop's side -----------------------------------------------------
 
@@ -269,9 +302,14 @@ class EpochScheduler:
         if ready is not None:
             seq, msg = ready
             self._taken(draw, seq)
+            self._flush(only_if_needed=True)
             return msg, self._actions()
         if self.buffer.next_seq >= self._sent:
             return EPOCH_END, self._actions()
+        # About to wait. Tasks still queued are sent if a worker has nothing else, or
+        # the slot waited for is among them (with in_order=False: any slot).
+        self._flush(only_if_needed=self.in_order and all(
+            seq != self.buffer.next_seq for tasks in self._unsent.values() for seq, _ in tasks))
         return None, self._actions()
 
     def _taken(self, draw: Callable[[], Any], seq: int) -> None:
@@ -296,6 +334,7 @@ class EpochScheduler:
         # (A map-style batch given to another worker may come from its first owner: the
         # same batch, and the first copy to arrive counts.)
         fresh = self.ledger.received(msg.seq)
+        self.workers[msg.worker_id].batches += fresh
         if msg.worker_id == owner:  # a duplicate can overtake a loss too
             lost = self.losses.result(owner, msg.seq, self.ledger.outstanding(owner))
             if lost:
@@ -314,6 +353,8 @@ class EpochScheduler:
         """The current incarnation of ``worker_id`` said HELLO."""
         rec = self.workers[worker_id]
         rec.info = rec.known = info
+        if rec.first_ready_at is None:
+            rec.first_ready_at = self.clock()
         self.losses.alive(worker_id)
         for r in self.recoveries:
             if r["worker"] == worker_id and "ready_at" not in r:
@@ -343,6 +384,7 @@ class EpochScheduler:
         rec = self.workers[w]
         rec.incarnation += 1
         rec.info = None
+        self._unqueue(w)  # they are among its outstanding tasks, re-routed below
         self.counters["restarted"] += 1
         self.losses.replaced(w)
         self._out.append(StartReplacement(w, rec.incarnation))
@@ -370,6 +412,7 @@ class EpochScheduler:
     def check_lost(self) -> list[Any]:
         """A worker that holds tasks and has sent nothing for the lost-batch limit lost
         them (a frame or task dropped with a connection): compute them again."""
+        self._flush()  # (what is queued here was never sent, so never lost)
         silent = self.losses.silent(self.workers.ready_infos())
         # (An idle worker's silence says nothing; one that held tasks is avoided below.)
         lost = {w: tasks for w in silent if (tasks := self.ledger.outstanding(w))}

@@ -236,6 +236,14 @@ class TrainerSession:
         else:
             self._pending[worker_id].append(frames)
 
+    def send_all(self, messages: list[Any]) -> None:
+        """Send the scheduler's ``SendTasks`` and ``Control`` messages, in order."""
+        for m in messages:
+            if m.kind is Kind.TASKS:
+                self.send_tasks(m.worker_id, m.epoch, m.tasks)
+            else:
+                self.send(m.worker_id, m.kind, m.epoch, m.payload)
+
     def send_tasks(self, worker_id: int, epoch: int, tasks: list[tuple[int, Any]]) -> None:
         """Send tasks in as few messages as ``max_message_bytes`` allows. Raises
         :class:`ProtocolError` (``too-large``) for a task over the limit on its own: the
