@@ -4,9 +4,14 @@ Every message is a ZeroMQ multipart message::
 
     [header, mac, body, *buffers]
 
-``header`` is a fixed 36-byte struct (little endian)::
+``header`` is a fixed 40-byte struct (little endian)::
 
-    version:u8  kind:u8  session_id:16s  epoch:u32  seq:i64  worker_id:u16  n_buffers:u32
+    version:u8  kind:u8  session_id:16s  epoch:u32  seq:i64  worker_id:u16
+    incarnation:u32  n_buffers:u32
+
+``incarnation`` is the sender's (0 for a worker id's first process, +1 per
+replacement; 0 from the trainer): a batch a replaced worker sent late is
+recognised by it on every transport.
 
 ``seq`` is a data message's batch number; in a control message from the trainer it
 numbers the messages sent to one worker incarnation (0, 1, 2, ...), and the worker
@@ -52,7 +57,7 @@ import pickle
 import secrets
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch._utils import ExceptionWrapper
@@ -70,8 +75,8 @@ __all__ = [
     "worker_identity",
 ]
 
-PROTOCOL_VERSION = 3
-_HEADER = struct.Struct("<BB16sIqHI")
+PROTOCOL_VERSION = 4
+_HEADER = struct.Struct("<BB16sIqHII")
 HEADER_SIZE = _HEADER.size
 MAC_SIZE = 16
 KEY_SIZE = 32
@@ -92,9 +97,6 @@ class Kind(enum.IntEnum):
     PING = 15
 
 
-DATA_KINDS = frozenset({Kind.BATCH, Kind.RING_BATCH, Kind.ERROR, Kind.END})
-
-
 @dataclass(frozen=True)
 class Message:
     kind: Kind
@@ -104,6 +106,7 @@ class Message:
     worker_id: int
     payload: Any = None
     in_ring: bool = False  # a batch whose buffers (some or all) came through the ring
+    incarnation: int = 0  # the sender's
 
 
 def worker_identity(worker_id: int, incarnation: int) -> bytes:
@@ -126,6 +129,7 @@ class Wire:
     session_id: bytes
     key: bytes
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    incarnation: int = 0  # what this side writes in its headers (a worker's own)
 
     @classmethod
     def new(cls, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Wire:
@@ -143,7 +147,7 @@ class Wire:
     def _frames(self, kind: Kind, epoch: int, seq: int, worker_id: int, body: Any,
                 buffers: Sequence[Any]) -> list[Any]:
         header = _HEADER.pack(PROTOCOL_VERSION, kind, self.session_id, epoch, seq, worker_id,
-                              len(buffers))
+                              self.incarnation, len(buffers))
         return [header, self._mac(header, body, buffers), body, *buffers]
 
     def encode(self, kind: Kind, epoch: int = 0, seq: int = -1, worker_id: int = 0,
@@ -183,7 +187,7 @@ class Wire:
         head = memoryview(frames[0])
         if head.nbytes != HEADER_SIZE:
             raise ProtocolError("header", f"{head.nbytes} bytes, {HEADER_SIZE} expected")
-        version, kind, sid, epoch, seq, worker_id, n = _HEADER.unpack(head)
+        version, kind, sid, epoch, seq, worker_id, incarnation, n = _HEADER.unpack(head)
         if version != PROTOCOL_VERSION:
             raise ProtocolError("version",
                                 f"protocol {version}, this side speaks {PROTOCOL_VERSION}")
@@ -202,7 +206,8 @@ class Wire:
         if not hmac.compare_digest(memoryview(frames[1]).tobytes(), self._mac(head, body, buffers)):
             raise ProtocolError("mac", "authentication failed")
         if kind is Kind.RING_BATCH:
-            return self._decode_ring(body, buffers, rings or {}, sid, epoch, seq, worker_id)
+            return replace(self._decode_ring(body, buffers, rings or {}, sid, epoch, seq,
+                                             worker_id), incarnation=incarnation)
         try:
             if kind is Kind.BATCH:
                 payload = decode_batch(body, buffers)
@@ -216,8 +221,8 @@ class Wire:
             # so the epoch neither hangs nor silently skips it.
             what = "batch" if kind is Kind.BATCH else "worker's exception"
             return Message(Kind.ERROR, sid, epoch, seq, worker_id,
-                           undecodable_error(worker_id, seq, what, exc))
-        return Message(kind, sid, epoch, seq, worker_id, payload)
+                           undecodable_error(worker_id, seq, what, exc), incarnation=incarnation)
+        return Message(kind, sid, epoch, seq, worker_id, payload, incarnation=incarnation)
 
     def _decode_ring(self, body: memoryview, inline: list[memoryview],
                      rings: Mapping[int, TrainerRing], sid: bytes, epoch: int, seq: int,

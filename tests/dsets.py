@@ -350,7 +350,9 @@ def lossy(worker_id: int, victim: int, seqs: tuple[int, ...], once: str = "") ->
             return
     import zmq
 
-    from dpex._protocol import DATA_KINDS, HEADER_SIZE
+    from dpex._protocol import HEADER_SIZE, Kind
+
+    data_kinds = {Kind.BATCH, Kind.RING_BATCH, Kind.ERROR, Kind.END}
 
     send = zmq.Socket.send_multipart
     left = set(seqs)
@@ -359,7 +361,7 @@ def lossy(worker_id: int, victim: int, seqs: tuple[int, ...], once: str = "") ->
         head = memoryview(frames[0]).tobytes() if frames else b""
         if len(head) == HEADER_SIZE:
             kind, seq = head[1], struct.unpack_from("<q", head, 22)[0]
-            if kind in DATA_KINDS and seq in left:
+            if kind in data_kinds and seq in left:
                 left.discard(seq)
                 return None  # gone on the way
         return send(self, frames, *args, **kwargs)

@@ -24,6 +24,20 @@ def test_batch_message_roundtrip():
     assert torch.equal(msg.payload["x"], torch.arange(5))
 
 
+def test_every_message_carries_its_senders_incarnation_under_the_mac():
+    import dataclasses
+
+    sender = dataclasses.replace(WIRE, incarnation=3)
+    batch = decode(frames_bytes(sender.encode_data(1, 0, 2, torch.zeros(2))))
+    end = decode(sender.encode(Kind.END, 1, 1, 2))
+    assert batch.incarnation == end.incarnation == 3 and decode(encode_message(Kind.END)).incarnation == 0
+    forged = frames_bytes(sender.encode(Kind.END, 1, 1, 2))
+    forged[0] = forged[0][:-8] + (0).to_bytes(4, "little") + forged[0][-4:]  # claim 0
+    with pytest.raises(ProtocolError) as err:
+        decode(forged)
+    assert err.value.reason == "mac"
+
+
 def test_control_message_roundtrip():
     msg = decode(encode_message(Kind.TASKS, 1, -1, 0, [(0, [1, 2])]))
     assert msg.kind is Kind.TASKS and msg.payload == [(0, [1, 2])]

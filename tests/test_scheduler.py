@@ -34,8 +34,8 @@ def draw_from(batches):
     return lambda: next(it)
 
 
-def msg(epoch, seq, worker, kind=Kind.BATCH, payload=None):
-    return Message(kind, b"s", epoch, seq, worker, payload)
+def msg(epoch, seq, worker, kind=Kind.BATCH, payload=None, inc=0):
+    return Message(kind, b"s", epoch, seq, worker, payload, incarnation=inc)
 
 
 def sends(actions):
@@ -107,6 +107,19 @@ def test_a_dead_workers_map_tasks_go_to_the_survivor_at_once_after_its_replaceme
     assert s.exited(1, 1) == [Fatal(1, startup=False)]  # out of restarts
 
 
+def test_a_replaced_workers_late_result_is_dropped_whatever_its_transport():
+    s = EpochScheduler(2, 2)
+    s.start_epoch(draw_from([[i] for i in range(8)]))
+    s.ready(0, {})
+    s.ready(1, {})
+    s.exited(0, 0)  # its tasks 0 and 2 go to worker 1; its replacement is incarnation 1
+    late = Message(Kind.BATCH, b"s", 1, 0, 0, "late", incarnation=0)
+    s.results([late])
+    assert s.counters["stale_incarnation"] == 1 and s.ledger.pending(1) == 4
+    s.results([Message(Kind.BATCH, b"s", 1, 0, 1, "new", incarnation=0)])
+    assert s.take(NONE)[0].payload == "new"
+
+
 def test_a_worker_that_never_said_hello_failed_to_start_unless_ray_could_not_place_it():
     s = EpochScheduler(2, 2)
     s.start_epoch(draw_from([[i] for i in range(8)]))
@@ -132,7 +145,7 @@ def test_an_iterable_batch_lost_before_its_workers_end_is_waited_for_not_passed_
     actions = s.exited(0, 0)
     assert actions[0] == StartReplacement(0, 1) and sends(actions[1:]) == {(0, (0, 1, 2))}
     assert s.take(NONE) == (None, [])  # slot 0 is redone, not an empty slot after the END
-    s.results([msg(1, 0, 0, payload="a")])
+    s.results([msg(1, 0, 0, payload="a", inc=1)])  # from the replacement
     assert s.take(NONE)[0].payload == "a"
     assert s.take(NONE)[0].kind is Kind.END and s.take(NONE)[0] is EPOCH_END
 
@@ -228,18 +241,19 @@ class Sim:
     def kill(self, w):
         self.dead.add(w)
         self.queue[w].clear()
-        self.transit[w].clear()  # lost with the connection
+        if self.rng.random() < 0.5:  # lost with the connection; else they arrive late
+            self.transit[w].clear()
 
     def compute(self, w):
         epoch, seq, idx = self.queue[w].popleft()
         if not self.iterable:
-            return msg(epoch, seq, w, payload=idx)
+            return msg(epoch, seq, w, payload=idx, inc=self.inc[w])
         if self.skip[w] is not None:
             self.made[w], self.skip[w] = self.skip[w], None
         n, self.made[w] = self.made[w], self.made[w] + 1
         if n >= self.shard:
-            return msg(epoch, seq, w, kind=Kind.END)
-        return msg(epoch, seq, w, payload=(w, n))
+            return msg(epoch, seq, w, kind=Kind.END, inc=self.inc[w])
+        return msg(epoch, seq, w, payload=(w, n), inc=self.inc[w])
 
     def step(self):
         rng, s, n = self.rng, self.s, len(self.inc)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 __all__ = ["WorkerHello", "WorkerExit", "LoopFailure"]
 
@@ -32,4 +31,3 @@ class LoopFailure:
     """The loop thread hit an error it cannot recover from."""
 
     error: BaseException
-    where: Any = None

@@ -26,9 +26,11 @@ with scrambled arrivals, duplicates, losses, deaths and restarts):
 2. ``in_flight`` (dispatched and not taken) never exceeds ``capacity``
    (``prefetch_factor × num_workers``); it is the ledger's count of live tasks,
    not a counter kept beside it.
-3. A result counts only if it is of the current epoch, its task is outstanding
-   and, for an IterableDataset, it comes from the task's owner; any other copy
-   is counted (stale, misrouted, duplicate) and dropped.
+3. A result counts only if it is of the current epoch, its task is outstanding,
+   its sender is the current incarnation of its worker id (the header says,
+   whatever the transport) and, for an IterableDataset, it comes from the task's
+   owner; any other copy is counted (stale, stale_incarnation, misrouted,
+   duplicate) and dropped.
 4. The tasks a dead or silent worker held whose results did not arrive are
    exactly the tasks sent again: a map-style batch to the ready worker holding
    least (torch defines nothing about which worker computes a batch), an
@@ -330,6 +332,9 @@ class EpochScheduler:
             return
         if msg.worker_id != owner and self.iterable:
             self.counters["misrouted"] += 1
+            return
+        if msg.incarnation != self.workers[msg.worker_id].incarnation:
+            self.counters["stale_incarnation"] += 1  # sent late by a replaced worker
             return
         # (A map-style batch given to another worker may come from its first owner: the
         # same batch, and the first copy to arrive counts.)

@@ -1,4 +1,4 @@
-"""The worker actor: an asyncio streaming server for one session at a time.
+"""The worker actor: an asyncio streaming server for its sessions.
 
 It receives tasks on a DEALER socket connected to the trainer's ROUTER (on its
 asyncio loop, which stays responsive to control messages and shutdown) and
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 import queue
 import threading
@@ -124,9 +125,6 @@ class DpexWorker:
         if pooled:  # a fleet worker: its sessions' forkserver, ready before the first
             threading.Thread(target=prestart, name="dpex-forkserver", daemon=True).start()
 
-    def where(self) -> dict:
-        return self.placement
-
     def fleet_stats(self) -> dict:
         """Placement, versions and traffic so far (``dpex fleet status``)."""
         with self._lock:
@@ -190,6 +188,9 @@ class DpexWorker:
         with no thread hop per batch.
         """
         loop = asyncio.get_running_loop()
+        # Every message this incarnation sends says which it is (a late one is known).
+        spec = dataclasses.replace(spec, wire=dataclasses.replace(
+            spec.wire, incarnation=spec.incarnation))
         _set_thread_niceness(spec.niceness)  # this loop thread, and zmq's I/O thread below
         ctx = zmq.asyncio.Context()
         ctrl = ctx.socket(zmq.DEALER)
