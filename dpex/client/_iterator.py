@@ -263,7 +263,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     def _wait_event(self) -> Any:
         """The next event, within torch's ``timeout`` (or ``startup_timeout`` while
         workers start); with no timeout, wake every few seconds to check the loop lives."""
-        starting = len(self._ready) < self._num_workers
+        starting = not self._sched.workers.all_ready()
         if starting:
             deadline: float | None = self._startup_deadline
         elif self._timeout > 0:

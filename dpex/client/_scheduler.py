@@ -43,20 +43,20 @@ with scrambled arrivals, duplicates, losses, deaths and restarts):
 from __future__ import annotations
 
 import collections
-import enum
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dpex._protocol import Kind, Message
 from dpex.client._ledger import TaskLedger
 from dpex.client._lost import LossWatch
 from dpex.client._ordering import OrderingBuffer
+from dpex.client._worker_table import Recovery, WorkerTable, recovery
 
-__all__ = ["EpochScheduler", "WorkerTable", "WorkerRecord", "Recovery", "recovery",
-           "SendTasks", "Control", "StartReplacement", "KillWorker", "Fatal", "EPOCH_END"]
+__all__ = ["EpochScheduler", "SendTasks", "Control", "StartReplacement", "KillWorker", "Fatal",
+           "EPOCH_END"]
 
 EPOCH_END = object()  # what take() returns once the epoch has nothing more
 
@@ -97,72 +97,6 @@ class Fatal:
     startup: bool  # it never started (or cannot): WorkerStartupError, else WorkerDiedError
 
 
-# -- workers ---------------------------------------------------------------------------
-
-@dataclass
-class WorkerRecord:
-    """One worker id: the one place its incarnation and readiness live."""
-
-    id: int
-    incarnation: int = 0  # 0 for the first actor, +1 per replacement (= its restarts)
-    info: dict | None = None  # the current incarnation's HELLO; None until it is ready
-    known: dict | None = None  # the last HELLO of any incarnation (pid, node)
-    active: bool = True  # this epoch: still has data (an IterableDataset's shard)
-    tasks: list[tuple[int, Any]] = field(default_factory=list)  # this epoch's, in order
-    ended_seq: int | None = None  # the slot of its END this epoch (IterableDataset)
-    batches: int = 0  # its results that counted, this iterator
-    first_ready_at: float | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.info is not None
-
-    @property
-    def starting(self) -> bool:
-        """A replacement not ready yet (a first start is not a "replacement")."""
-        return self.incarnation > 0 and self.info is None
-
-
-class WorkerTable:
-    def __init__(self, num_workers: int) -> None:
-        self.records = [WorkerRecord(w) for w in range(num_workers)]
-
-    def __getitem__(self, worker_id: int) -> WorkerRecord:
-        return self.records[worker_id]
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def new_epoch(self) -> None:
-        for rec in self.records:
-            rec.active, rec.tasks, rec.ended_seq = True, [], None
-
-    def ready_infos(self) -> dict[int, dict]:
-        return {r.id: r.info for r in self.records if r.info is not None}
-
-    def known_infos(self) -> dict[int, dict]:
-        return {r.id: r.known for r in self.records if r.known is not None}
-
-
-class Recovery(enum.Enum):
-    RESTART = "restart"  # a replacement with the same id; its tasks go on
-    STARTUP_FAILED = "startup failed"  # fatal: it never worked
-    DIED = "died"  # fatal: out of restarts
-
-
-def recovery(record: WorkerRecord, *, startup_error: bool, unplaced: bool,
-             max_restarts: int) -> Recovery:
-    """What a worker's exit calls for. A worker that never said HELLO failed to
-    start (unless Ray could not place it because its node went away: placed again,
-    like a death); one that died is replaced while restarts are left."""
-    fatal = (record.known is None and not unplaced) or startup_error
-    if fatal:
-        return Recovery.STARTUP_FAILED
-    if record.incarnation < max_restarts:
-        return Recovery.RESTART
-    return Recovery.DIED
-
-
 # -- the scheduler -----------------------------------------------------------------------
 
 class EpochScheduler:
@@ -192,7 +126,6 @@ class EpochScheduler:
         # the training loop is about to wait for the one slot that is unsent.
         self.group = max(1, self.capacity // 2)
         self._unsent: dict[int, list[tuple[int, Any]]] = {}
-        self._unsent_count = 0
 
     @property
     def in_flight(self) -> int:
@@ -217,7 +150,7 @@ class EpochScheduler:
         self.losses.new_epoch()
         self.workers.new_epoch()
         self._cycle = itertools.cycle(range(self.num_workers))
-        self._unsent, self._unsent_count = {}, 0
+        self._unsent = {}
         if self.epoch > 1:
             self._out += [Control(w, Kind.RESUME, self.epoch, resume)
                           for w in range(self.num_workers)]
@@ -258,7 +191,6 @@ class EpochScheduler:
             self.ledger.dispatch(seq, w, index)
             self.workers[w].tasks.append((seq, index))
             self._unsent.setdefault(w, []).append((seq, index))
-            self._unsent_count += 1
 
     def _starving(self, w: int) -> bool:
         """Every task ``w`` has is still here: it has nothing to compute."""
@@ -267,9 +199,9 @@ class EpochScheduler:
     def _flush(self, only_if_needed: bool = False) -> None:
         """Send the queued tasks (with ``only_if_needed``: when a group has gathered, a
         worker would go idle, or the next slot's task is among them)."""
-        if not self._unsent_count:
+        if not self._unsent:
             return
-        if only_if_needed and self._unsent_count < self.group and not any(
+        if only_if_needed and sum(map(len, self._unsent.values())) < self.group and not any(
                 self._starving(w) for w in self._unsent):
             return
         for w, tasks in self._unsent.items():
@@ -278,11 +210,11 @@ class EpochScheduler:
                 self.losses.sent(seq, w if idle else None)
                 idle = False
             self._out.append(SendTasks(w, self.epoch, tasks))
-        self._unsent, self._unsent_count = {}, 0
+        self._unsent = {}
 
     def _unqueue(self, w: int) -> None:
         """Forget ``w``'s queued tasks: they are re-routed with its outstanding ones."""
-        self._unsent_count -= len(self._unsent.pop(w, ()))
+        self._unsent.pop(w, None)
 
     # -- the training loop's side -----------------------------------------------------
 
@@ -341,7 +273,8 @@ class EpochScheduler:
         fresh = self.ledger.received(msg.seq)
         self.workers[msg.worker_id].batches += fresh
         if msg.worker_id == owner:  # a duplicate can overtake a loss too
-            lost = self.losses.result(owner, msg.seq, self.ledger.outstanding(owner))
+            lost = self.losses.result(  # (nothing left to overtake: no sort per batch)
+                owner, msg.seq, self.ledger.outstanding(owner) if self.ledger.pending(owner) else [])
             if lost:
                 self.counters["lost"] += len(lost)
                 self._recompute(owner, lost)

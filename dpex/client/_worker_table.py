@@ -1,0 +1,80 @@
+"""One record per worker id, and what a worker's exit calls for (pure).
+
+The record is the one place a worker's incarnation and readiness live: the
+scheduler filters results by it, the iterator starts replacements from it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["WorkerRecord", "WorkerTable", "Recovery", "recovery"]
+
+
+@dataclass
+class WorkerRecord:
+    """One worker id: the one place its incarnation and readiness live."""
+
+    id: int
+    incarnation: int = 0  # 0 for the first actor, +1 per replacement (= its restarts)
+    info: dict | None = None  # the current incarnation's HELLO; None until it is ready
+    known: dict | None = None  # the last HELLO of any incarnation (pid, node)
+    active: bool = True  # this epoch: still has data (an IterableDataset's shard)
+    tasks: list[tuple[int, Any]] = field(default_factory=list)  # this epoch's, in order
+    ended_seq: int | None = None  # the slot of its END this epoch (IterableDataset)
+    batches: int = 0  # its results that counted, this iterator
+    first_ready_at: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None
+
+    @property
+    def starting(self) -> bool:
+        """A replacement not ready yet (a first start is not a "replacement")."""
+        return self.incarnation > 0 and self.info is None
+
+
+class WorkerTable:
+    def __init__(self, num_workers: int) -> None:
+        self.records = [WorkerRecord(w) for w in range(num_workers)]
+
+    def __getitem__(self, worker_id: int) -> WorkerRecord:
+        return self.records[worker_id]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def new_epoch(self) -> None:
+        for rec in self.records:
+            rec.active, rec.tasks, rec.ended_seq = True, [], None
+
+    def all_ready(self) -> bool:
+        return all(r.info is not None for r in self.records)
+
+    def ready_infos(self) -> dict[int, dict]:
+        return {r.id: r.info for r in self.records if r.info is not None}
+
+    def known_infos(self) -> dict[int, dict]:
+        return {r.id: r.known for r in self.records if r.known is not None}
+
+
+class Recovery(enum.Enum):
+    RESTART = "restart"  # a replacement with the same id; its tasks go on
+    STARTUP_FAILED = "startup failed"  # fatal: it never worked
+    DIED = "died"  # fatal: out of restarts
+
+
+def recovery(record: WorkerRecord, *, startup_error: bool, unplaced: bool,
+             max_restarts: int) -> Recovery:
+    """What a worker's exit calls for. A worker that never said HELLO failed to
+    start (unless Ray could not place it because its node went away: placed again,
+    like a death); one that died is replaced while restarts are left."""
+    fatal = (record.known is None and not unplaced) or startup_error
+    if fatal:
+        return Recovery.STARTUP_FAILED
+    if record.incarnation < max_restarts:
+        return Recovery.RESTART
+    return Recovery.DIED
