@@ -34,22 +34,31 @@ def attack(data_address, control_address, session_id, marker, keys=None):
     dealer = ctx.socket(zmq.DEALER)
     for s in (push, dealer):
         s.setsockopt(zmq.LINGER, 5000)  # closing waits (at most 5 s) until all is delivered
-        s.setsockopt(zmq.SNDTIMEO, 5000)
+        s.setsockopt(zmq.SNDTIMEO, 5000 if keys is not None else 200)
         if keys is not None:
             keys.apply(s)
     dealer.setsockopt(zmq.IDENTITY, b"w0")
     push.connect(data_address)
     dealer.connect(control_address)
+
+    def send(sock, frames):
+        try:
+            sock.send_multipart(frames)
+        except zmq.Again:
+            # A stranger's connection is dropped in the CURVE handshake; once libzmq has
+            # dropped it, the socket has no peer and a send waits out SNDTIMEO.
+            if keys is not None:
+                raise
+
     try:
         for seq in range(4):
             frames = forger.encode(Kind.BATCH, 1, seq, seq % 2)
             frames[2] = pickle.dumps(Evil(marker))
-            push.send_multipart(frames)
-            hello = forger.encode(Kind.HELLO, 0, -1, 0, Evil(marker))
-            dealer.send_multipart(hello)
-        push.send_multipart([b"garbage"])
-        push.send_multipart([b"x" * 36, b"y" * 16, b"z"])
-        push.send_multipart([bytes(2 << 20)])  # over max_message_bytes: dropped by ZeroMQ
+            send(push, frames)
+            send(dealer, forger.encode(Kind.HELLO, 0, -1, 0, Evil(marker)))
+        send(push, [b"garbage"])
+        send(push, [b"x" * 36, b"y" * 16, b"z"])
+        send(push, [bytes(2 << 20)])  # over max_message_bytes: dropped by ZeroMQ
     finally:
         push.close(0 if keys is None else 5000)
         dealer.close(0 if keys is None else 5000)
