@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
@@ -36,7 +36,7 @@ class DpexConfig:
 
     distribute_mode: bool = False
     head_address: str = "auto"
-    ray_remote_args: Mapping[str, Any] = field(default_factory=dict)
+    ray_remote_args: Mapping[str, Any] | None = None  # None: {} (each worker reserves nothing)
     startup_timeout: float = 120.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_worker_restarts: int = 3
@@ -45,12 +45,15 @@ class DpexConfig:
     lost_batch_timeout: float | None = None
 
     def __post_init__(self) -> None:
+        if self.ray_remote_args is None:  # the loader's default
+            object.__setattr__(self, "ray_remote_args", {})
         if not isinstance(self.distribute_mode, bool):
             raise TypeError(f"distribute_mode must be a bool, got {self.distribute_mode!r}")
         if not isinstance(self.head_address, str) or not self.head_address:
             raise ValueError(f"head_address must be a non-empty string, got {self.head_address!r}")
         if not isinstance(self.ray_remote_args, Mapping):
             raise TypeError(f"ray_remote_args must be a dict, got {type(self.ray_remote_args).__name__}")
+        object.__setattr__(self, "ray_remote_args", dict(self.ray_remote_args))  # a copy
         if not self.startup_timeout > 0:
             raise ValueError(f"startup_timeout must be > 0 seconds, got {self.startup_timeout!r}")
         if (not isinstance(self.max_message_bytes, int) or isinstance(self.max_message_bytes, bool)

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from dpex.errors import DpexTimeoutError
+
 __all__ = ["LoopThread", "new_event_loop"]
 
 T = TypeVar("T")
@@ -79,7 +81,7 @@ class LoopThread:
                 raise RuntimeError(f"{self.name}: start() called in state {self._state.value}")
             self._thread.start()
             if not self._started.wait(timeout):
-                raise RuntimeError(f"{self.name}: event loop did not start within {timeout} s")
+                raise DpexTimeoutError(f"{self.name}: event loop did not start within {timeout} s")
             self._state = _State.RUNNING
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -106,7 +108,8 @@ class LoopThread:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            raise TimeoutError(f"{self.name}: operation did not finish within {timeout} s") from None
+            raise DpexTimeoutError(
+                f"{self.name}: operation did not finish within {timeout} s") from None
 
     async def _finish(self, cleanup: Callable[[], Awaitable[Any]] | None) -> None:
         try:

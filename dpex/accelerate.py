@@ -32,7 +32,7 @@ import dataclasses
 from typing import Any
 
 from dpex.dataloader import DpexDataLoader
-from dpex.errors import DpexError
+from dpex.errors import UnsupportedError
 
 __all__ = ["prepare_data_loader"]
 
@@ -43,7 +43,7 @@ def _is_prepared(loader: Any) -> bool:
     try:
         from accelerate.data_loader import DataLoaderAdapter
     except ImportError as exc:
-        raise DpexError("dpex.accelerate needs accelerate >= 1.0 (its DataLoaderAdapter), "
+        raise UnsupportedError("dpex.accelerate needs accelerate >= 1.0 (its DataLoaderAdapter), "
                         f"which cannot be imported here: {exc}") from exc
     return issubclass(type(loader), DataLoaderAdapter)
 
@@ -71,7 +71,7 @@ def prepare_data_loader(accelerator: Any, loader: Any, **dpex_arguments: Any) ->
             loader.__dict__.pop("_dpex_preparing", None)
     base = prepared.base_dataloader
     if type(base).__module__.startswith("torchdata"):
-        raise DpexError(
+        raise UnsupportedError(
             "Accelerate was set to use torchdata's StatefulDataLoader "
             "(use_stateful_dataloader=True), which dpex cannot stand in for yet; use "
             "DataLoaderConfiguration(use_stateful_dataloader=False)")

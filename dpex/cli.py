@@ -69,8 +69,8 @@ def _status_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from dpex._fleet import fleet_status, start_fleet, stop_fleet
     from dpex.errors import FleetError
+    from dpex.server._fleet import fleet_status, start_fleet, stop_fleet
 
     try:
         _connect(args.address)

@@ -30,6 +30,9 @@ _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).param
 # ``_wrap_init_method``).
 _LIGHTNING_RECORD = "__pl_saved_args"
 _LIGHTNING_KWARGS = "__pl_saved_kwargs"
+# dpex's own keyword arguments: DpexConfig's fields, in its order. A new knob is a field
+# there (with its check and doc) and a parameter of the same name and default below;
+# tests/test_layout.py checks the two agree.
 _DPEX_ARGUMENTS = tuple(f.name for f in dataclasses.fields(DpexConfig))
 
 
@@ -94,20 +97,12 @@ class DpexDataLoader(DataLoader[T_co]):
                 f"batch_size={batch_size!r}: DpexDataLoader takes torch's arguments in torch's "
                 "order; pass distribute_mode=... and head_address=... by keyword"
             )
-        config = DpexConfig(distribute_mode, head_address, dict(ray_remote_args or {}),
-                            startup_timeout, max_message_bytes, max_worker_restarts,
-                            shm_ring_bytes, worker_pool, lost_batch_timeout)
+        arguments = locals()
+        config = DpexConfig(**{name: arguments[name] for name in _DPEX_ARGUMENTS})
         # Public attributes named like the parameters: frameworks (Lightning) rebuild the
         # loader from them, so they must exist under exactly these names.
-        self.distribute_mode = config.distribute_mode
-        self.head_address = config.head_address
-        self.ray_remote_args = dict(config.ray_remote_args)
-        self.startup_timeout = config.startup_timeout
-        self.max_message_bytes = config.max_message_bytes
-        self.max_worker_restarts = config.max_worker_restarts
-        self.shm_ring_bytes = config.shm_ring_bytes
-        self.worker_pool = config.worker_pool
-        self.lost_batch_timeout = config.lost_batch_timeout
+        for name in _DPEX_ARGUMENTS:
+            setattr(self, name, getattr(config, name))
         self._reset_runtime_state()
         recorded_before = _LIGHTNING_RECORD in self.__dict__
         torch_kwargs: dict[str, Any] = {
@@ -223,9 +218,7 @@ class DpexDataLoader(DataLoader[T_co]):
     @property
     def dpex_config(self) -> DpexConfig:
         """dpex's settings as one validated, frozen object."""
-        return DpexConfig(self.distribute_mode, self.head_address, dict(self.ray_remote_args),
-                          self.startup_timeout, self.max_message_bytes, self.max_worker_restarts,
-                          self.shm_ring_bytes, self.worker_pool, self.lost_batch_timeout)
+        return DpexConfig(**{name: getattr(self, name) for name in _DPEX_ARGUMENTS})
 
     @property
     def _distributed(self) -> bool:
@@ -266,9 +259,10 @@ class DpexDataLoader(DataLoader[T_co]):
         if not self._distributed:
             return super()._get_iterator()
         from dpex.client._iterator import RayDataLoaderIter
+        from dpex.server._actor import DpexWorker
 
         # Built from the attributes, which a framework may have set since __init__.
-        iterator = RayDataLoaderIter(self, self.dpex_config)
+        iterator = RayDataLoaderIter(self, self.dpex_config, DpexWorker)
         self.check_worker_number_rationality()  # as torch does here; Ray is connected now
         self._live_iterators.add(iterator)
         self._latest = weakref.ref(iterator)

@@ -9,8 +9,18 @@
      │                           started, found or used
      ├── BatchTooLargeError      (raised inside a worker, in its batch's slot) a batch is
      │                           over ``max_message_bytes``
+     ├── IteratorClosedError     the iterator was closed (``loader.close()``, a fatal error)
+     ├── EventLoopError          the iterator's event-loop thread failed or stopped; the
+     │                           cause is chained
+     ├── DpexTimeoutError        (also a ``TimeoutError``) an operation on the event-loop
+     │                           thread did not finish in time
+     ├── UnsupportedError        a combination dpex cannot stand in for (named, with what
+     │                           to use instead)
      └── ProtocolError           a message failed validation (counted and dropped, never raised
                                  to the training loop)
+
+A ``DataLoader timed out after N seconds`` stays torch's ``RuntimeError``, as torch
+raises it.
 
 Warnings::
 
@@ -36,6 +46,10 @@ __all__ = [
     "WorkerDiedError",
     "BatchTooLargeError",
     "FleetError",
+    "IteratorClosedError",
+    "EventLoopError",
+    "DpexTimeoutError",
+    "UnsupportedError",
     "ProtocolError",
     "DpexWarning",
     "PlacementWarning",
@@ -77,6 +91,22 @@ class ProtocolError(DpexError):
 
 class FleetError(DpexError):
     """A worker fleet cannot be started, found or used; the message says why."""
+
+
+class IteratorClosedError(DpexError):
+    """The iterator was closed; iterate the loader again for a new one."""
+
+
+class EventLoopError(DpexError):
+    """The iterator's event-loop thread failed (the cause is chained) or stopped."""
+
+
+class DpexTimeoutError(DpexError, TimeoutError):
+    """An operation on dpex's event-loop thread did not finish within its limit."""
+
+
+class UnsupportedError(DpexError):
+    """A combination dpex cannot stand in for; the message names what to use instead."""
 
 
 class DpexWarning(UserWarning):

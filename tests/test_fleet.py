@@ -177,11 +177,12 @@ def test_worker_pool_and_ray_remote_args_do_not_mix():
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_fleet_running_another_dpex_is_refused_at_attach(monkeypatch):
-    from dpex import _fleet
+    from dpex import _fleet_registry
+    from dpex.server import _fleet
 
     _fleet.start_fleet("elsewhere", 1, progress=lambda line: None)
     try:
-        monkeypatch.setattr(_fleet, "local_versions",
+        monkeypatch.setattr(_fleet_registry, "local_versions",
                             lambda: {"dpex": "9.9", "protocol": 99, "python": "3.99"})
         loader = DpexDataLoader(dsets.Squares(8), batch_size=2, num_workers=2,
                                 distribute_mode=True, worker_pool="elsewhere")

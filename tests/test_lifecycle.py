@@ -9,7 +9,7 @@ import pytest
 import torch
 from dsets import assert_same, pids_alive
 
-from dpex import DpexDataLoader
+from dpex import DpexDataLoader, IteratorClosedError
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(120)]
 
@@ -70,6 +70,16 @@ def test_persistent_workers_end_with_close_or_context_manager(how):
             pids = worker_pids(loader._iterator)
     assert wait_gone(pids) == []
     assert len(dpex_threads()) == before
+
+
+def test_a_closed_iterator_says_so():
+    loader = DpexDataLoader(dsets.Squares(60), batch_size=3, num_workers=2, distribute_mode=True)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with pytest.raises(IteratorClosedError, match="closed; iterate the loader again"):
+        list(it)
+    assert len(list(loader)) == 20  # a new iterator: the whole epoch
 
 
 @pytest.mark.parametrize("persistent", [False, True])

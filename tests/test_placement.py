@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from dpex.client._placement import (
+from dpex._placement import (
     Node,
     choose_nodes,
     matches,

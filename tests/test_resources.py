@@ -233,16 +233,16 @@ def test_custom_resources_are_reserved_exactly_as_asked():
 
 
 def test_an_autoscaling_cluster_is_not_refused_for_todays_size(monkeypatch):
-    from dpex.client import _workers
+    from dpex import _cluster
 
-    assert _workers._autoscaling_max() is None  # the embedded default does not autoscale
+    assert _cluster._autoscaling_max() is None  # the embedded default does not autoscale
     loader = DpexDataLoader(dsets.Squares(4), num_workers=CORES * 4, distribute_mode=True,
                             ray_remote_args={"num_cpus": 1}, startup_timeout=60)
     with pytest.raises(WorkerStartupError, match="cannot place"):
         iter(loader)
     # The same request where the autoscaler may grow the cluster to 64 CPUs: accepted
     # (it waits for the new nodes), refused only beyond what the cluster can become.
-    monkeypatch.setattr(_workers, "_autoscaling_max", lambda: {"CPU": 64.0})
+    monkeypatch.setattr(_cluster, "_autoscaling_max", lambda: {"CPU": 64.0})
     it = iter(loader)
     assert not it.closed
     it._shutdown_workers()

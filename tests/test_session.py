@@ -9,12 +9,12 @@ import torch
 import zmq
 import zmq.asyncio
 
+from dpex._addresses import port_range
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Message, Wire, worker_identity
-from dpex._ray_connect import port_range
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
-from dpex.errors import ProtocolError
+from dpex.errors import DpexTimeoutError, ProtocolError
 
 WIRE = Wire.new()
 
@@ -117,8 +117,9 @@ def test_loop_thread_run_times_out():
     lt = LoopThread("dpex-test-loop")
     lt.start()
     try:
-        with pytest.raises(TimeoutError):
+        with pytest.raises(DpexTimeoutError, match="did not finish within 0.1 s") as err:
             lt.run(asyncio.sleep(10), timeout=0.1)
+        assert isinstance(err.value, TimeoutError)  # `except TimeoutError` still catches it
     finally:
         lt.stop()
 

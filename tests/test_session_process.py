@@ -13,8 +13,8 @@ import pytest
 from test_strangers import events, live_session  # noqa: F401 (a fixture)
 from torch.utils.data import _DatasetKind
 
+from dpex._spec import ShippedLoader, WorkerSpec
 from dpex.client._events import WorkerHello
-from dpex.server._worker_state import ShippedLoader, WorkerSpec
 
 pytestmark = pytest.mark.timeout(120)
 

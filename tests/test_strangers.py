@@ -213,8 +213,8 @@ async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_wh
     import cloudpickle
     from torch.utils.data import _DatasetKind
 
+    from dpex._spec import ShippedLoader, WorkerSpec
     from dpex.errors import WorkerStartupError
-    from dpex.server._worker_state import ShippedLoader, WorkerSpec
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -236,12 +236,12 @@ async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_wh
 def test_under_ray_client_the_trainer_needs_an_address_the_cluster_can_reach(monkeypatch):
     import ray.util.client
 
-    from dpex._ray_connect import node_address
-    from dpex.errors import DpexError
+    from dpex._addresses import node_address
+    from dpex.errors import RayConnectionError
 
     monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
     monkeypatch.delenv("DPEX_ADVERTISE_ADDRESS", raising=False)
-    with pytest.raises(DpexError, match="Ray Client.*DPEX_ADVERTISE_ADDRESS"):
+    with pytest.raises(RayConnectionError, match="Ray Client.*DPEX_ADVERTISE_ADDRESS"):
         node_address()
     monkeypatch.setenv("DPEX_ADVERTISE_ADDRESS", "127.0.0.1")
     assert node_address() == "127.0.0.1"

@@ -24,12 +24,14 @@ import ray
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind, _utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
+from dpex._addresses import node_address
 from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Wire
-from dpex._ray_connect import connect_ray, node_address
+from dpex._ray_connect import connect_ray
 from dpex._reaper import finalizer_for
 from dpex._shm import RingRef
+from dpex._spec import ShippedLoader, WorkerSpec
 from dpex._stats import LoaderStats, WorkerStats
 from dpex._version import local_versions
 from dpex.client._events import LoopFailure, WorkerExit, WorkerHello
@@ -45,8 +47,14 @@ from dpex.client._scheduler import (
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
 from dpex.client._workers import FleetGroup, WorkerGroup, WorkerProcess
-from dpex.errors import DpexError, PlacementWarning, WorkerDiedError, WorkerStartupError
-from dpex.server._worker_state import ShippedLoader, WorkerSpec
+from dpex.errors import (
+    DpexError,
+    EventLoopError,
+    IteratorClosedError,
+    PlacementWarning,
+    WorkerDiedError,
+    WorkerStartupError,
+)
 
 __all__ = ["RayDataLoaderIter"]
 
@@ -67,13 +75,13 @@ class _Runtime:
     """Everything one iterator started: loop thread, sockets, actors. Idempotent close."""
 
     def __init__(self, name: str, handoff: queue.SimpleQueue, config: DpexConfig,
-                 label: str) -> None:
+                 label: str, worker_class: type) -> None:
         host = node_address()  # may raise: before anything that needs closing exists
         self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))
         self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff)
         self.workers: WorkerGroup | FleetGroup = (
             FleetGroup(config.worker_pool, handoff) if config.worker_pool
-            else WorkerGroup(config.ray_remote_args, handoff, label))
+            else WorkerGroup(worker_class, config.ray_remote_args, handoff, label))
         self.closed = False
 
     def open(self) -> None:
@@ -92,9 +100,10 @@ class _Runtime:
 
 
 class RayDataLoaderIter(_BaseDataLoaderIter):
-    """Iterator of a ``DpexDataLoader`` with ``distribute_mode=True, num_workers > 0``."""
+    """Iterator of a ``DpexDataLoader`` with ``distribute_mode=True, num_workers > 0``;
+    ``worker_class`` is the Ray actor class its own workers run (``DpexWorker``)."""
 
-    def __init__(self, loader: Any, config: DpexConfig) -> None:
+    def __init__(self, loader: Any, config: DpexConfig, worker_class: type) -> None:
         super().__init__(loader)
         self._loader_ref = weakref.ref(loader)
         self._prefetch_factor = loader.prefetch_factor
@@ -114,7 +123,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._handoff: queue.SimpleQueue = queue.SimpleQueue()
         number = next(_iterator_ids)
         label = f"iterator {number} of a DpexDataLoader over {type(self._dataset).__name__}"
-        self._runtime = _Runtime(f"dpex-loop-{number}", self._handoff, config, label)
+        self._runtime = _Runtime(f"dpex-loop-{number}", self._handoff, config, label,
+                                 worker_class)
         # Dropped without being closed: torn down on dpex's reaper thread (see _reaper).
         self._finalizer = weakref.finalize(self, finalizer_for(self._runtime.close))
         self._session = self._runtime.session
@@ -159,7 +169,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         super()._reset(loader, first_iter)
         if not first_iter:
             if self._runtime.closed:
-                raise DpexError("this dpex iterator was closed; iterate the loader again")
+                raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
             self._worker_shared_seed = self._shared_seed
         self._epoch_t0, self._epoch_end, self._wait_s = time.monotonic(), None, 0.0
         # The RESUME payload is the IterDataPipe seed of the new epoch (None otherwise).
@@ -217,6 +227,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             raise
 
     def _next_data(self) -> Any:
+        if self._runtime.closed and self._epoch_end is None:  # an ended epoch stays ended
+            raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
         while True:
             msg, actions = self._sched.take(self._next_index)
             self._apply(actions)
@@ -244,7 +256,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     def _receive_one(self) -> None:
         """Wait for one event from the loop thread or Ray and apply it."""
         if self._runtime.closed:
-            raise DpexError("this dpex iterator was closed")
+            raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
         if time.monotonic() >= self._lost_check_at:
             self._check_lost()
         event = self._wait_event()
@@ -258,7 +270,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._shutdown_workers()
             if isinstance(event.error, DpexError):  # one of dpex's own: it says what
                 raise event.error
-            raise DpexError(f"the dpex event loop failed: {event.error!r}") from event.error
+            raise EventLoopError(f"the dpex event loop failed: {event.error!r}") from event.error
 
     def _wait_event(self) -> Any:
         """The next event, within torch's ``timeout`` (or ``startup_timeout`` while
@@ -291,7 +303,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 except queue.Empty:
                     pass
             if not self._loop.running:
-                raise DpexError("the dpex event-loop thread stopped unexpectedly")
+                raise EventLoopError("the dpex event-loop thread stopped unexpectedly")
             if deadline is not None and time.monotonic() >= deadline:
                 if starting:
                     raise self._startup_failure()

@@ -20,8 +20,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from dpex._addresses import port_range
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
-from dpex._ray_connect import port_range
 from dpex._security import Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
 from dpex.client._events import LoopFailure, WorkerHello

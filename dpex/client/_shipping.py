@@ -10,8 +10,8 @@ from typing import Any
 
 import cloudpickle
 
+from dpex._spec import ShippedLoader
 from dpex.errors import DatasetNotPicklableError
-from dpex.server._worker_state import ShippedLoader
 
 __all__ = ["ship_loader", "find_unpicklable"]
 

@@ -1,6 +1,6 @@
 """Starting, watching and stopping the worker actors of one iterator.
 
-Placement follows :mod:`dpex.client._placement`: by default a worker reserves
+Placement follows :mod:`dpex._placement`: by default a worker reserves
 nothing and dpex picks its node; what the user asks Ray to reserve is honoured
 exactly. Every group of this process is known to :func:`live_groups`, which spreads
 the next group's workers and names who holds what when a request waits.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import queue
-import random
 import threading
 import time
 import weakref
@@ -19,16 +18,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dpex.client import _placement
+from dpex import _cluster, _placement
+from dpex._fleet_registry import choose_workers
+from dpex._spec import WorkerSpec
 from dpex.client._events import WorkerExit
-from dpex.errors import WorkerStartupError
-from dpex.server._actor import DpexWorker
-from dpex.server._worker_state import WorkerSpec
 
-__all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "check_placeable", "choose_nodes",
-           "on_node", "live_groups"]
+__all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups"]
 
 # Every WorkerGroup of this process (weak: a dropped iterator's group goes with it).
 # Only creation adds to it and nothing else changes it: a group's stop() may run in a
@@ -38,78 +34,6 @@ __all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "check_placeable", "cho
 _GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 _groups_lock = threading.RLock()
 _group_ids = itertools.count()
-_tie_break = random.Random()  # never the user's random module state
-
-
-def _autoscaling_max() -> dict[str, float] | None:
-    """The most of each resource an autoscaling cluster's configuration can hold, or
-    ``None`` on a cluster without an autoscaler (as Ray Train checks it)."""
-    try:
-        from ray._private.state import state
-        found = state.get_max_resources_from_cluster_config()
-    except Exception:  # a Ray without it, or no GCS answer: judge by today's nodes
-        return None
-    return {k: float(v) for k, v in found.items()} if found else None
-
-
-def _pending_requests() -> list[dict[str, float]] | None:
-    """The resource shapes that wait in the cluster for resources to be freed (what
-    ``ray status`` lists as demands), or ``None`` when this Ray cannot tell."""
-    try:
-        from ray._raylet import GcsClient
-        from ray.autoscaler.v2.sdk import get_cluster_resource_state
-
-        client = GcsClient(ray.get_runtime_context().gcs_address)
-        state = get_cluster_resource_state(client)
-        return [dict(r.request.resources_bundle) for r in state.pending_resource_requests]
-    except Exception:  # an older or newer Ray without it: judge by free resources
-        return None
-
-
-def _live_nodes() -> list[dict]:
-    return [node for node in ray.nodes() if node.get("Alive")]
-
-
-def check_placeable(ray_remote_args: Mapping[str, Any], num_workers: int) -> None:
-    """Raise at once when ``num_workers`` actors that reserve what ``ray_remote_args``
-    asks for can never be placed (see :func:`dpex.client._placement.never_fits`)."""
-    demand = _placement.per_worker_demand(ray_remote_args)
-    if not demand:
-        return
-    nodes = _live_nodes()
-    largest: dict[str, float] = {}
-    for node in nodes:
-        for name, amount in node.get("Resources", {}).items():
-            largest[name] = max(largest.get(name, 0.0), float(amount))
-    why = _placement.never_fits(demand, num_workers, ray.cluster_resources(), largest,
-                                _autoscaling_max())
-    if why:
-        raise WorkerStartupError(
-            f"the Ray cluster cannot place {num_workers} dpex workers ({why}); use fewer "
-            "workers, or ask for less in ray_remote_args (without num_cpus a worker "
-            "reserves no CPU, as torch's workers do)"
-        )
-
-
-def choose_nodes(n: int) -> list[str | None]:
-    """Nodes for ``n`` new workers that reserve nothing (``None``: Ray's choice), spread
-    over the CPU nodes counting the live workers of this process's groups."""
-    nodes = [_placement.Node(node["NodeID"], float(node.get("Resources", {}).get("CPU", 0)))
-             for node in _live_nodes()]
-    if len(nodes) <= 1:
-        return [None] * n
-    held: Counter[str] = Counter()
-    for group in live_groups():
-        held.update(node for node in group.nodes.values() if node)
-    return _placement.choose_nodes(nodes, held, n, _tie_break)
-
-
-def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
-    # Hard: Ray ignores a soft affinity for an actor that reserves nothing (Ray 2.60: 12
-    # soft-pinned 0-CPU actors landed evenly on all three nodes of a test cluster). A node
-    # lost before its worker is placed makes that worker unschedulable; the iterator
-    # then places it again (ActorUnschedulableError counts as a worker death).
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
 def live_groups() -> list[WorkerGroup]:
@@ -117,6 +41,15 @@ def live_groups() -> list[WorkerGroup]:
     with _groups_lock:
         groups = list(_GROUPS)
     return sorted((g for g in groups if not g.stopped), key=lambda g: g.group_id)
+
+
+def _nodes_for(n: int) -> list[str | None]:
+    """Nodes for ``n`` new workers that reserve nothing, spread counting the live
+    workers of this process's groups."""
+    held: Counter[str] = Counter()
+    for group in live_groups():
+        held.update(node for node in group.nodes.values() if node)
+    return _cluster.choose_nodes(n, held)
 
 
 def holders() -> str:
@@ -140,10 +73,14 @@ def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int) ->
 
 
 class WorkerGroup:
-    """The actors of one iterator. ``stop()`` is idempotent and kills them all."""
+    """The actors of one iterator. ``stop()`` is idempotent and kills them all.
 
-    def __init__(self, ray_remote_args: Mapping[str, Any], events: queue.SimpleQueue,
-                 label: str = "dpex loader") -> None:
+    ``worker_class`` is the actor class (dpex's ``DpexWorker``, handed in by the loader:
+    the trainer side does not import the worker side)."""
+
+    def __init__(self, worker_class: type, ray_remote_args: Mapping[str, Any],
+                 events: queue.SimpleQueue, label: str = "dpex loader") -> None:
+        self.worker_class = worker_class
         self.user_args = dict(ray_remote_args)
         self.reserving = _placement.reserves(self.user_args)
         self.demand = _placement.per_worker_demand(self.user_args)
@@ -161,16 +98,16 @@ class WorkerGroup:
 
     def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
         if self.reserving:
-            check_placeable(self.user_args, len(specs))
-        self._actor_class = ray.remote(DpexWorker)
-        nodes = choose_nodes(len(specs)) if not self.reserving else [None] * len(specs)
+            _cluster.check_placeable(self.user_args, len(specs))
+        self._actor_class = ray.remote(self.worker_class)
+        nodes = _nodes_for(len(specs)) if not self.reserving else [None] * len(specs)
         for spec, node in zip(specs, nodes, strict=True):
             self._start_one(spec, shipped, node)
 
     def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None) -> None:
         options = dict(self.options)
         if node is not None:
-            options["scheduling_strategy"] = on_node(node)
+            options["scheduling_strategy"] = _cluster.on_node(node)
         actor = self._actor_class.options(**options).remote()
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
@@ -191,7 +128,7 @@ class WorkerGroup:
             except Exception:
                 pass  # already gone
         self.nodes.pop(spec.worker_id, None)
-        node = choose_nodes(1)[0] if not self.reserving else None
+        node = _nodes_for(1)[0] if not self.reserving else None
         self._start_one(spec, shipped, node)
 
     def kill(self, worker_id: int) -> None:
@@ -212,7 +149,7 @@ class WorkerGroup:
         (or reserve nothing, and so never wait for resources)."""
         if not self.demand or not waiting:
             return None
-        pending = _pending_requests()
+        pending = _cluster.pending_requests()
         if pending is not None and not any(_placement.matches(self.demand, request)
                                            for request in pending):
             return None  # placed, and still starting: nothing waits for resources
@@ -298,8 +235,6 @@ class FleetGroup:
         self._stopped = False
 
     def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
-        from dpex._fleet import choose_workers
-
         for spec, actor in zip(specs, choose_workers(self.fleet, len(specs)), strict=True):
             self._start_one(spec, shipped, actor)
 
@@ -311,8 +246,6 @@ class FleetGroup:
                                                     spec.incarnation))
 
     def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
-        from dpex._fleet import choose_workers
-
         if self._stopped:
             return
         self._cancel(spec.worker_id)

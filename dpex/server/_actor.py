@@ -20,14 +20,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from dpex._addresses import ADVERTISE_ENV, PORT_RANGE_ENV
 from dpex._protocol import Kind, ProtocolError, worker_identity
-from dpex._ray_connect import ADVERTISE_ENV, PORT_RANGE_ENV
 from dpex._security import ControlFreshness, connect_promptly
 from dpex._shm import RingUnavailable, WorkerRing
+from dpex._spec import WorkerSpec
 from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
 from dpex.server._session_process import SessionProcess, prestart
-from dpex.server._worker_state import WorkerSpec, WorkerState
+from dpex.server._task_runner import TaskRunner
 
 __all__ = ["DpexWorker"]
 
@@ -163,7 +164,8 @@ class DpexWorker:
 
     async def _serve_in_child(self, spec: WorkerSpec, shipped: bytes) -> None:
         loop = asyncio.get_running_loop()
-        child = SessionProcess(spec, shipped, self.placement, self.session_timeout)
+        child = SessionProcess(SessionWorker, spec, shipped, self.placement,
+                               self.session_timeout)
         session = _Session()
         self._sessions.add(session)
         with self._lock:
@@ -261,7 +263,7 @@ class DpexWorker:
         data.connect(spec.data_address)
         try:
             node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
-            state = WorkerState(spec, shipped, node, ring)
+            state = TaskRunner(spec, shipped, node, ring)
             while not halt.is_set():
                 try:
                     item = inbox.get(timeout=0.5)

@@ -45,15 +45,19 @@ def prestart() -> None:
 class SessionProcess:
     """The fleet worker's handle on one session's child process."""
 
-    def __init__(self, spec: Any, shipped: bytes, placement: dict,
+    def __init__(self, worker_class: type, spec: Any, shipped: bytes, placement: dict,
                  session_timeout: float) -> None:
+        """``worker_class(placement, session_timeout, counts)`` serves the session in the
+        child (the actor module's ``SessionWorker``, passed by reference: pickled by
+        name, so this module does not import the actor's)."""
         ctx = _context()
         self.counts = ctx.RawArray("q", len(COUNTERS))  # written by the child
         self._conn, child_end = ctx.Pipe()
         self._child_end: Connection | None = child_end
         self._proc = ctx.Process(
             target=_main, name=f"dpex-session-{spec.worker_id}", daemon=True,
-            args=(spec, shipped, placement, session_timeout, self.counts, child_end))
+            args=(worker_class, spec, shipped, placement, session_timeout, self.counts,
+                  child_end))
         self._lock = threading.Lock()  # start and stop run on executor threads
         self._stopped = False
         self._outcome: BaseException | None = None
@@ -124,12 +128,10 @@ class SessionProcess:
             raise self._outcome
 
 
-def _main(spec: Any, shipped: bytes, placement: dict, session_timeout: float,
-          counts: Any, conn: Connection) -> None:
+def _main(worker_class: type, spec: Any, shipped: bytes, placement: dict,
+          session_timeout: float, counts: Any, conn: Connection) -> None:
     """The child: serve one session until it ends, the fleet worker asks, or dies."""
-    from dpex.server._actor import SessionWorker
-
-    worker = SessionWorker(placement, session_timeout, counts)
+    worker = worker_class(placement, session_timeout, counts)
     outcome: BaseException | None = None
     try:
         asyncio.run(worker.serve_until_told(spec, shipped, conn))

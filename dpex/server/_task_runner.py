@@ -8,7 +8,6 @@ becomes the frames of one data message (a batch, a wrapped error, or END).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -18,42 +17,12 @@ from torch.utils.data import IterDataPipe, _DatasetKind
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
-from dpex._protocol import Kind, ProtocolError, Wire
-from dpex._security import ClientKeys
-from dpex._shm import RingRef, WorkerRing, collating_into
+from dpex._protocol import Kind, ProtocolError
+from dpex._shm import WorkerRing, collating_into
+from dpex._spec import ShippedLoader, WorkerSpec
 from dpex.errors import BatchTooLargeError, WorkerStartupError
 
-__all__ = ["WorkerSpec", "WorkerState", "ShippedLoader"]
-
-
-@dataclass(frozen=True)
-class ShippedLoader:
-    """The parts of a DataLoader a worker needs; cloudpickled once per iterator."""
-
-    dataset: Any
-    dataset_kind: int
-    auto_collation: bool
-    collate_fn: Any
-    drop_last: bool
-    worker_init_fn: Any
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Where and who a worker is for one session (small; travels as a Ray argument)."""
-
-    wire: Wire  # session id, session key and size limit
-    worker_id: int
-    num_workers: int
-    base_seed: int
-    data_address: str
-    control_address: str
-    keys: ClientKeys  # CURVE: the trainer's public key and the workers' key pair
-    niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
-    shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
-    incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement
-    ring: RingRef | None = None  # the trainer's shared-memory ring for this incarnation
-    pooled: bool = False  # a fleet's session: served in a process of its own
+__all__ = ["TaskRunner"]
 
 
 def _seed_like_torch(base_seed: int, worker_id: int) -> int:
@@ -83,7 +52,7 @@ def _load(shipped: bytes) -> ShippedLoader:
         ) from exc
 
 
-class WorkerState:
+class TaskRunner:
     """One worker's view of a session. Not thread-safe: one fetch thread drives it.
 
     Construction raises :class:`WorkerStartupError` only if the shipped loader

@@ -12,40 +12,19 @@ These functions need a connected Ray (``dpex.cli`` connects, the loader does).
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
 
-from dpex._version import local_versions
-from dpex.client._placement import reserves
-from dpex.client._workers import check_placeable, choose_nodes, on_node
+from dpex._cluster import check_placeable, choose_nodes, on_node
+from dpex._fleet_registry import NAMESPACE, fleet_name, fleet_workers, sample
+from dpex._placement import reserves
 from dpex.errors import FleetError, WorkerStartupError
 from dpex.server._actor import DpexWorker
 
-__all__ = ["NAMESPACE", "FleetError", "start_fleet", "fleet_status", "stop_fleet",
-           "fleet_workers", "choose_workers"]
-
-NAMESPACE = "dpex"
-_CALL_TIMEOUT_S = 10.0
-_STRAGGLER_S = 1.0
-
-
-def _name(fleet: str, index: int) -> str:
-    return f"{fleet}/{index}"
-
-
-def fleet_workers(fleet: str) -> list[tuple[int, Any]]:
-    """The fleet's actors as ``(index, handle)``, by index; ``[]`` if there is none."""
-    prefix = fleet + "/"
-    indices = sorted(
-        int(a["name"][len(prefix):]) for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
-        and a["name"][len(prefix):].isdigit()
-    )
-    return [(i, ray.get_actor(_name(fleet, i), namespace=NAMESPACE)) for i in indices]
+__all__ = ["start_fleet", "fleet_status", "stop_fleet"]
 
 
 def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
@@ -76,9 +55,9 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
     if reserves(options):
         strategies: list[Any] = ["SPREAD"] * workers
     else:
-        strategies = [on_node(node) if node else "DEFAULT" for node in choose_nodes(workers)]
+        strategies = [on_node(node) if node else "DEFAULT" for node in choose_nodes(workers, {})]
     cls = ray.remote(DpexWorker)
-    actors = [cls.options(name=_name(fleet, i), namespace=NAMESPACE, lifetime="detached",
+    actors = [cls.options(name=fleet_name(fleet, i), namespace=NAMESPACE, lifetime="detached",
                           max_restarts=-1, max_task_retries=0, scheduling_strategy=strategy,
                           **options).remote(session_timeout=session_timeout, pooled=True)
               for i, strategy in enumerate(strategies)]
@@ -111,9 +90,9 @@ def fleet_status(fleet: str, interval: float = 1.0) -> list[dict]:
     actors = fleet_workers(fleet)
     if not actors:
         raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster")
-    first = _sample(actors)
+    first = sample(actors)
     time.sleep(interval)
-    second = _sample(actors)
+    second = sample(actors)
     rows = []
     for i, _ in actors:
         a, b = first.get(i), second.get(i)
@@ -125,24 +104,6 @@ def fleet_status(fleet: str, interval: float = 1.0) -> list[dict]:
     return rows
 
 
-def _sample(actors: list[tuple[int, Any]]) -> dict[int, dict]:
-    """``fleet_stats`` of the workers that answer: the first within ``_CALL_TIMEOUT_S``,
-    the rest within a second more (a dead or restarting worker must not hold up the
-    choice of a replacement for long)."""
-    refs = {a.fleet_stats.remote(): i for i, a in actors}
-    first, rest = ray.wait(list(refs), num_returns=1, timeout=_CALL_TIMEOUT_S)
-    done = list(first)
-    if first and rest:
-        done += ray.wait(rest, num_returns=len(rest), timeout=_STRAGGLER_S)[0]
-    out = {}
-    for ref in done:
-        try:
-            out[refs[ref]] = ray.get(ref)
-        except ray.exceptions.RayError:
-            pass  # died or restarting: reported as not responding
-    return out
-
-
 def stop_fleet(fleet: str) -> int:
     """Kill the fleet's workers (their sessions' trainers see them die); return how many."""
     actors = fleet_workers(fleet)
@@ -151,26 +112,3 @@ def stop_fleet(fleet: str) -> int:
     for _, actor in actors:
         ray.kill(actor, no_restart=True)
     return len(actors)
-
-
-def choose_workers(fleet: str, n: int) -> list[Any]:
-    """Handles of the fleet workers that ``n`` logical workers run on: the least busy
-    first (ties at random), reused in turn when ``n`` exceeds the fleet. Raises
-    :class:`FleetError` when there is no such fleet or its dpex or Python differs."""
-    actors = fleet_workers(fleet)
-    if not actors:
-        raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster: start one with "
-                         f"`dpex fleet start --name {fleet} --workers N`")
-    stats = _sample(actors)
-    if not stats:
-        raise FleetError(f"no worker of fleet {fleet!r} answered within {_CALL_TIMEOUT_S:g} s")
-    ours = local_versions()
-    for i, info in stats.items():
-        if info.get("versions") != ours:
-            raise FleetError(
-                f"fleet {fleet!r} worker {i} (node {info.get('node_ip')}) runs "
-                f"{info.get('versions')}, but this trainer runs {ours}: restart the fleet "
-                "with the trainer's dpex and Python")
-    handles = dict(actors)
-    order = sorted(stats, key=lambda i: (stats[i]["sessions_active"], random.random()))
-    return [handles[order[k % len(order)]] for k in range(n)]

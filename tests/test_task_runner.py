@@ -7,7 +7,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from dpex._protocol import Kind, Wire
 from dpex._security import SessionKeys
-from dpex.server._worker_state import ShippedLoader, WorkerSpec, WorkerState
+from dpex._spec import ShippedLoader, WorkerSpec
+from dpex.server._task_runner import TaskRunner
 
 WIRE = Wire.new()
 
@@ -17,7 +18,7 @@ class Count(IterableDataset):
         return iter(range(8))
 
 
-def replacement(dataset=None) -> WorkerState:
+def replacement(dataset=None) -> TaskRunner:
     """Incarnation 1 of worker 0 of a persistent IterableDataset loader (batch size 2)."""
     shipped = cloudpickle.dumps(ShippedLoader(
         dataset=dataset or Count(), dataset_kind=_DatasetKind.Iterable, auto_collation=True,
@@ -25,10 +26,10 @@ def replacement(dataset=None) -> WorkerState:
     spec = WorkerSpec(wire=WIRE, worker_id=0, num_workers=1, base_seed=1,
                       data_address="", control_address="", keys=SessionKeys.new().client,
                       incarnation=1)
-    return WorkerState(spec, shipped)
+    return TaskRunner(spec, shipped)
 
 
-def batch(state: WorkerState, epoch: int, seq: int):
+def batch(state: TaskRunner, epoch: int, seq: int):
     msg = WIRE.decode(state.run_task(epoch, seq, [None, None]))
     assert msg.kind is Kind.BATCH, msg
     return msg.payload.tolist()
@@ -76,7 +77,7 @@ def test_an_error_over_max_message_bytes_still_reaches_the_trainer_as_an_error()
         collate_fn=default_collate, drop_last=False, worker_init_fn=None))
     spec = WorkerSpec(wire=wire, worker_id=0, num_workers=1, base_seed=1, data_address="",
                       control_address="", keys=SessionKeys.new().client)
-    msg = wire.decode(WorkerState(spec, shipped).run_task(1, 0, [2, 3]))  # not dropped
+    msg = wire.decode(TaskRunner(spec, shipped).run_task(1, 0, [2, 3]))  # not dropped
     assert msg.kind is Kind.ERROR and msg.payload.exc_type is ValueError
     text = msg.payload.exc_msg
     assert "ValueError: start xxx" in text and text.rstrip().endswith("end")

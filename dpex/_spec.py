@@ -1,0 +1,44 @@
+"""What the trainer tells a worker: the loader parts it ships once per iterator and the
+small per-worker spec that travels as a Ray argument. Neutral ground: the trainer
+(``dpex.client``) builds these and the workers (``dpex.server``) read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpex._protocol import Wire
+from dpex._security import ClientKeys
+from dpex._shm import RingRef
+
+__all__ = ["ShippedLoader", "WorkerSpec"]
+
+
+@dataclass(frozen=True)
+class ShippedLoader:
+    """The parts of a DataLoader a worker needs; cloudpickled once per iterator."""
+
+    dataset: Any
+    dataset_kind: int
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    worker_init_fn: Any
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Where and who a worker is for one session (small; travels as a Ray argument)."""
+
+    wire: Wire  # session id, session key and size limit
+    worker_id: int
+    num_workers: int
+    base_seed: int
+    data_address: str
+    control_address: str
+    keys: ClientKeys  # CURVE: the trainer's public key and the workers' key pair
+    niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
+    shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
+    incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement
+    ring: RingRef | None = None  # the trainer's shared-memory ring for this incarnation
+    pooled: bool = False  # a fleet's session: served in a process of its own
