@@ -29,12 +29,11 @@ size against ``max_message_bytes``, then the MAC. A buffer's bytes are not
 hashed (a MAC over gigabytes would cost more than the copy); they are only ever
 copied into tensors and arrays, never unpickled, and the MAC pins their sizes.
 
-Data plane (worker PUSH → trainer PULL): ``BATCH``, ``RING_BATCH``, ``ERROR``
-(a wrapped exception in the batch's slot) and ``END`` (an IterableDataset worker
-is exhausted; the task's slot holds no batch). A ``RING_BATCH`` is a batch whose
-buffers a worker on the trainer's node wrote into its shared-memory ring (see
-``_shm``): its body is the ring descriptor followed by the pickled structure,
-and it has no buffer frames; it decodes to a ``BATCH``.
+Data plane (worker PUSH → trainer PULL): a batch (``BATCH``, ``RING_BATCH`` or
+``MEMORY_BATCH``: the kind names the transport that carried its buffers, see
+:mod:`dpex._transport`, which encodes and decodes them), ``ERROR`` (a wrapped
+exception in the batch's slot) and ``END`` (an IterableDataset worker is
+exhausted; the task's slot holds no batch).
 
 Control plane (trainer ROUTER ⇄ worker DEALER): ``HELLO`` (worker → trainer,
 once, carries versions and placement), ``TASKS`` (a list of ``(seq, indices)``),
@@ -44,8 +43,10 @@ which its predecessor already delivered), ``STOP`` and ``PING`` (sent every
 ``PING_INTERVAL_S`` while the trainer lives; a worker whose session hears nothing
 for its session timeout ends that session, so a vanished trainer frees it).
 
-Decoding never raises anything but :class:`~dpex.errors.ProtocolError`, whose
-``reason`` names why the message was rejected.
+This module frames and authenticates (:meth:`Wire.open`); it unpickles only
+in-band payloads (:meth:`Wire.decode`, the control plane). Opening never raises
+anything but :class:`~dpex.errors.ProtocolError`, whose ``reason`` names why the
+message was rejected.
 """
 
 from __future__ import annotations
@@ -56,21 +57,20 @@ import hmac
 import pickle
 import secrets
 import struct
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from torch._utils import ExceptionWrapper
-
-from dpex._codec import decode_batch, encode_batch, encode_object
-from dpex._shm import INLINE, TrainerRing, WorkerRing, split_descriptor
+from dpex._codec import encode_object
 from dpex.errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "Kind",
+    "DATA_KINDS",
     "Message",
+    "Envelope",
     "Wire",
     "worker_identity",
 ]
@@ -89,12 +89,17 @@ class Kind(enum.IntEnum):
     ERROR = 2
     END = 3
     RING_BATCH = 4
+    MEMORY_BATCH = 5
     HELLO = 10
     TASKS = 11
     RESUME = 12
     STOP = 13
     SKIP = 14
     PING = 15
+
+
+# What a worker sends its trainer's data socket: batches (by transport), errors, ENDs.
+DATA_KINDS = frozenset({Kind.BATCH, Kind.RING_BATCH, Kind.MEMORY_BATCH, Kind.ERROR, Kind.END})
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,30 @@ class Message:
     seq: int
     worker_id: int
     payload: Any = None
-    in_ring: bool = False  # a batch whose buffers (some or all) came through the ring
+    in_ring: bool = False  # a batch whose buffers (some or all) came through shared memory
     incarnation: int = 0  # the sender's
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """An authenticated message, not unpickled: its header fields, its body and its
+    buffer frames (views of the received frames)."""
+
+    kind: Kind
+    session_id: bytes
+    epoch: int
+    seq: int
+    worker_id: int
+    incarnation: int
+    body: memoryview
+    buffers: list[memoryview]
+
+    def unpickle(self) -> Any:
+        return pickle.loads(self.body)
+
+    def message(self, payload: Any, kind: Kind | None = None, in_ring: bool = False) -> Message:
+        return Message(kind or self.kind, self.session_id, self.epoch, self.seq,
+                       self.worker_id, payload, in_ring, self.incarnation)
 
 
 def worker_identity(worker_id: int, incarnation: int) -> bytes:
@@ -144,8 +171,9 @@ class Wire:
         mac.update(body)
         return mac.digest()
 
-    def _frames(self, kind: Kind, epoch: int, seq: int, worker_id: int, body: Any,
-                buffers: Sequence[Any]) -> list[Any]:
+    def frames(self, kind: Kind, epoch: int, seq: int, worker_id: int, body: Any,
+               buffers: Sequence[Any] = ()) -> list[Any]:
+        """``[header, mac, body, *buffers]`` for one message (nothing pickled here)."""
         header = _HEADER.pack(PROTOCOL_VERSION, kind, self.session_id, epoch, seq, worker_id,
                               self.incarnation, len(buffers))
         return [header, self._mac(header, body, buffers), body, *buffers]
@@ -153,35 +181,11 @@ class Wire:
     def encode(self, kind: Kind, epoch: int = 0, seq: int = -1, worker_id: int = 0,
                payload: Any = None) -> list[Any]:
         """A message whose payload is pickled in-band (control messages, errors, END)."""
-        return self._frames(kind, epoch, seq, worker_id, encode_object(payload), [])
+        return self.frames(kind, epoch, seq, worker_id, encode_object(payload))
 
-    def encode_data(self, epoch: int, seq: int, worker_id: int, batch: Any,
-                    ring: WorkerRing | None = None) -> list[Any]:
-        """A ``BATCH`` message: the structure in-band, tensor memory as separate frames;
-        or, given the worker's ``ring``, a ``RING_BATCH`` whose buffers are in the ring
-        where they fit (see ``WorkerRing.place``) and inline frames otherwise.
-
-        Raises :class:`ProtocolError` (reason ``too-large``) when the message would
-        exceed ``max_message_bytes``: the receiver would drop it.
-        """
-        body, *buffers = encode_batch(batch)
-        size = _nbytes(body) + sum(_nbytes(b) for b in buffers)
-        if size > self.max_message_bytes:
-            raise ProtocolError("too-large", f"batch {seq} is {size:,} bytes, over "
-                                f"max_message_bytes={self.max_message_bytes:,}")
-        if ring is not None:
-            descriptor, inline = ring.place(buffers)
-            return self._frames(Kind.RING_BATCH, epoch, seq, worker_id,
-                                descriptor + bytes(body), inline)
-        return self._frames(Kind.BATCH, epoch, seq, worker_id, body, buffers)
-
-    def decode(self, frames: Sequence[Any],
-               rings: Mapping[int, TrainerRing] | None = None) -> Message:
-        """Check and decode one multipart message (``bytes`` or ``zmq.Frame`` parts).
-
-        ``rings`` are the session's shared-memory rings, by id; a ``RING_BATCH`` is
-        copied out of its ring, whose space is then released.
-        """
+    def open(self, frames: Sequence[Any]) -> Envelope:
+        """Check one multipart message (``bytes`` or ``zmq.Frame`` parts) and return it
+        unread: frame count, header, version, session, kind, size, then the MAC."""
         if len(frames) < 3:
             raise ProtocolError("frame-count", f"{len(frames)} frames, at least 3 expected")
         head = memoryview(frames[0])
@@ -205,67 +209,15 @@ class Wire:
             raise ProtocolError("too-large", f"{size:,} bytes")
         if not hmac.compare_digest(memoryview(frames[1]).tobytes(), self._mac(head, body, buffers)):
             raise ProtocolError("mac", "authentication failed")
-        if kind is Kind.RING_BATCH:
-            return replace(self._decode_ring(body, buffers, rings or {}, sid, epoch, seq,
-                                             worker_id), incarnation=incarnation)
+        return Envelope(kind, sid, epoch, seq, worker_id, incarnation, body, buffers)
+
+    def decode(self, frames: Sequence[Any]) -> Message:
+        """Check and unpickle one control-plane message (the data plane is
+        :class:`dpex._transport.Receiver`'s)."""
+        env = self.open(frames)
+        if env.kind in DATA_KINDS:
+            raise ProtocolError("kind", f"{env.kind.name} on the control plane")
         try:
-            if kind is Kind.BATCH:
-                payload = decode_batch(body, buffers)
-            else:
-                payload = pickle.loads(body)
+            return env.message(env.unpickle())
         except Exception as exc:  # authentic, yet it does not unpickle here
-            if kind not in (Kind.BATCH, Kind.ERROR):
-                raise ProtocolError("body", f"{type(exc).__name__}: {exc}") from None
-            # A batch or a worker error whose contents cannot be rebuilt here (a class
-            # this process cannot import, say): the slot gets an error that says so,
-            # so the epoch neither hangs nor silently skips it.
-            what = "batch" if kind is Kind.BATCH else "worker's exception"
-            return Message(Kind.ERROR, sid, epoch, seq, worker_id,
-                           undecodable_error(worker_id, seq, what, exc), incarnation=incarnation)
-        return Message(kind, sid, epoch, seq, worker_id, payload, incarnation=incarnation)
-
-    def _decode_ring(self, body: memoryview, inline: list[memoryview],
-                     rings: Mapping[int, TrainerRing], sid: bytes, epoch: int, seq: int,
-                     worker_id: int) -> Message:
-        try:
-            ring_id, extents, structure = split_descriptor(body)
-            ring = rings[ring_id]
-        except (struct.error, ValueError, KeyError) as exc:
-            # Authentic, so a worker sent it: an error in the batch's slot, not a hang.
-            return Message(Kind.ERROR, sid, epoch, seq, worker_id,
-                           undecodable_error(worker_id, seq, "ring descriptor", exc))
-        if ring.retired:  # its worker was replaced, and the replacement redoes the task
-            ring.release(extents)
-            raise ProtocolError("retired-ring", f"batch {seq} from a replaced worker's ring")
-        try:
-            if ring.worker_id != worker_id:
-                raise ValueError(f"ring {ring_id} belongs to worker {ring.worker_id}")
-            if [n for pos, n, _ in extents if pos == INLINE] != [b.nbytes for b in inline]:
-                raise ValueError("inline frames do not match the descriptor")
-            spans = ring.take(extents)
-        except ValueError as exc:
-            ring.release(extents)
-            return Message(Kind.ERROR, sid, epoch, seq, worker_id,
-                           undecodable_error(worker_id, seq, "ring descriptor", exc))
-        frames = iter(inline)
-        buffers = [next(frames) if span is None else span for span in spans]
-        in_ring = len(buffers) > len(inline)
-        del spans  # the batch's tensors own the ring spans now: freed when they go
-        try:
-            payload = decode_batch(structure, buffers)
-        except Exception as exc:
-            return Message(Kind.ERROR, sid, epoch, seq, worker_id,
-                           undecodable_error(worker_id, seq, "batch", exc))
-        return Message(Kind.BATCH, sid, epoch, seq, worker_id, payload, in_ring)
-
-
-def undecodable_error(worker_id: int, seq: int, what: str, exc: BaseException) -> ExceptionWrapper:
-    """An ``ExceptionWrapper`` for a data message whose body cannot be unpickled here."""
-    wrapper = ExceptionWrapper.__new__(ExceptionWrapper)
-    wrapper.exc_type = RuntimeError
-    wrapper.exc_msg = (
-        f"Traceback unavailable: the {what} of batch {seq} could not be rebuilt in "
-        f"the trainer ({type(exc).__name__}: {exc})"
-    )
-    wrapper.where = f"in DataLoader worker process {worker_id}"
-    return wrapper
+            raise ProtocolError("body", f"{type(exc).__name__}: {exc}") from None

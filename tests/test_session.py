@@ -12,6 +12,7 @@ import zmq.asyncio
 from dpex._addresses import port_range
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Message, Wire, worker_identity
+from dpex._transport import encode_data
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
 from dpex.errors import DpexTimeoutError, ProtocolError
@@ -66,7 +67,7 @@ async def test_tasks_wait_for_hello_then_batches_reach_the_handoff(session, fake
     assert isinstance(hello, WorkerHello) and hello.worker_id == 0
     task = WIRE.decode(await asyncio.wait_for(ctrl.recv_multipart(), 5))
     assert task.kind is Kind.TASKS and task.payload == [(0, [4, 5])]
-    await data.send_multipart(WIRE.encode_data(1, 0, 0, torch.tensor([4, 5])), copy=False)
+    await data.send_multipart(encode_data(WIRE, 1, 0, 0, torch.tensor([4, 5])), copy=False)
     [msg] = await next_event(session.handoff)  # data messages come as a list
     assert isinstance(msg, Message) and torch.equal(msg.payload, torch.tensor([4, 5]))
 
@@ -76,7 +77,7 @@ async def test_tasks_wait_for_hello_then_batches_reach_the_handoff(session, fake
 async def test_a_burst_of_batches_is_handed_over_in_few_lists_in_order(session, fake_worker):
     _, data = fake_worker
     for seq in range(40):
-        data.send_multipart(WIRE.encode_data(1, seq, 0, torch.tensor([seq])), copy=False)
+        data.send_multipart(encode_data(WIRE, 1, seq, 0, torch.tensor([seq])), copy=False)
     lists = []
     while sum(map(len, lists)) < 40:
         lists.append(await next_event(session.handoff))

@@ -21,6 +21,7 @@ from dpex._shm import (
     collating_into,
     split_descriptor,
 )
+from dpex._transport import SOCKET, Receiver, RingTransport, encode_data
 from dpex.errors import ProtocolError
 
 NODE = "node-a"
@@ -165,13 +166,18 @@ def test_a_worker_that_cannot_reach_the_ring_says_why(mutate):
     trainer.close()
 
 
+def receiving(wire, rings):
+    """The trainer's data plane with these rings."""
+    return Receiver(wire, [SOCKET, RingTransport(rings=rings)])
+
+
 def test_a_bad_descriptor_is_an_error_in_its_slot_and_frees_its_tickets(rings):
     trainer, worker = rings
     with pytest.raises(ValueError, match="outside the ring"):
         trainer.take([(trainer.capacity - 10, 64, 0)])
     wire = Wire.new()
-    frames = wire.encode_data(1, 3, 1, torch.zeros(64), ring=worker)  # worker 1, ring of 0
-    msg = wire.decode(frames, {0: trainer})
+    frames = encode_data(wire, 1, 3, 1, torch.zeros(64), RingTransport(sender=worker))  # worker 1, ring of 0
+    msg = receiving(wire, {0: trainer}).decode(frames)
     assert msg.kind is Kind.ERROR and "belongs to worker 0" in str(msg.payload.exc_msg)
     _, extents, _ = split_descriptor(memoryview(frames[2]))
     assert trainer._map[1024 + extents[0][2]] == 1  # its ticket was freed
@@ -180,10 +186,10 @@ def test_a_bad_descriptor_is_an_error_in_its_slot_and_frees_its_tickets(rings):
 def test_late_messages_of_a_retired_ring_are_dropped(rings):
     trainer, worker = rings
     wire = Wire.new()
-    frames = wire.encode_data(1, 3, 0, torch.zeros(64), ring=worker)
+    frames = encode_data(wire, 1, 3, 0, torch.zeros(64), RingTransport(sender=worker))
     trainer.retired = True
     with pytest.raises(ProtocolError, match="replaced worker") as err:
-        wire.decode(frames, {0: trainer})
+        receiving(wire, {0: trainer}).decode(frames)
     assert err.value.reason == "retired-ring"
 
 
@@ -210,11 +216,11 @@ def test_a_ring_batch_message_round_trips_through_the_wire(rings):
     trainer, worker = rings
     wire = Wire.new()
     batch = {"x": torch.randn(32, 3, 16, 16), "y": torch.arange(32), "id": "b7"}
-    frames = wire.encode_data(1, 5, 0, batch, ring=worker)
-    msg = wire.decode(frames, {0: trainer})
+    frames = encode_data(wire, 1, 5, 0, batch, RingTransport(sender=worker))
+    msg = receiving(wire, {0: trainer}).decode(frames)
     assert msg.kind is Kind.BATCH and msg.in_ring and msg.seq == 5
     assert torch.equal(msg.payload["x"], batch["x"]) and msg.payload["id"] == "b7"
-    assert wire.decode(frames, {}).kind is Kind.ERROR  # an unknown ring: an error, no hang
+    assert receiving(wire, {}).decode(frames).kind is Kind.ERROR  # an unknown ring: no hang
 
 
 def test_closing_leaves_no_memfd_and_live_batches_stay_readable():

@@ -15,6 +15,7 @@ from attackers import rss_bytes, zmtp_flood
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Wire, worker_identity
 from dpex._security import ControlFreshness, SessionKeys
+from dpex._transport import encode_data
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
 from dpex.server._actor import DpexWorker
@@ -82,7 +83,7 @@ def test_an_endless_multipart_message_from_a_stranger_costs_the_trainer_no_memor
     try:  # and the genuine worker still gets through
         ctrl, data = genuine_worker(sess, ctx)
         events(handoff, lambda e: isinstance(e, WorkerHello))
-        data.send_multipart(sess.wire.encode_data(1, 0, 0, torch.arange(3)), copy=False)
+        data.send_multipart(encode_data(sess.wire, 1, 0, 0, torch.arange(3)), copy=False)
         batch = events(handoff, lambda e: isinstance(e, list))
         assert torch.equal(batch[0].payload, torch.arange(3))
     finally:

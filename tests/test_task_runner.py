@@ -8,6 +8,7 @@ from torch.utils.data._utils.collate import default_collate
 from dpex._protocol import Kind, Wire
 from dpex._security import SessionKeys
 from dpex._spec import ShippedLoader, WorkerSpec
+from dpex._transport import Receiver
 from dpex.server._task_runner import TaskRunner
 
 WIRE = Wire.new()
@@ -30,7 +31,7 @@ def replacement(dataset=None) -> TaskRunner:
 
 
 def batch(state: TaskRunner, epoch: int, seq: int):
-    msg = WIRE.decode(state.run_task(epoch, seq, [None, None]))
+    msg = Receiver(WIRE).decode(state.run_task(epoch, seq, [None, None]))
     assert msg.kind is Kind.BATCH, msg
     return msg.payload.tolist()
 
@@ -77,7 +78,7 @@ def test_an_error_over_max_message_bytes_still_reaches_the_trainer_as_an_error()
         collate_fn=default_collate, drop_last=False, worker_init_fn=None))
     spec = WorkerSpec(wire=wire, worker_id=0, num_workers=1, base_seed=1, data_address="",
                       control_address="", keys=SessionKeys.new().client)
-    msg = wire.decode(TaskRunner(spec, shipped).run_task(1, 0, [2, 3]))  # not dropped
+    msg = Receiver(wire).decode(TaskRunner(spec, shipped).run_task(1, 0, [2, 3]))  # not dropped
     assert msg.kind is Kind.ERROR and msg.payload.exc_type is ValueError
     text = msg.payload.exc_msg
     assert "ValueError: start xxx" in text and text.rstrip().endswith("end")

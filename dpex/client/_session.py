@@ -24,6 +24,7 @@ from dpex._addresses import port_range
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
 from dpex._security import Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
+from dpex._transport import SOCKET, Receiver, RingTransport
 from dpex.client._events import LoopFailure, WorkerHello
 from dpex.errors import ProtocolError
 
@@ -46,6 +47,7 @@ class TrainerSession:
         self.received = 0
         self.received_in_ring = 0
         self.rings: dict[int, TrainerRing] = {}
+        self.receiver = Receiver(wire, [SOCKET, RingTransport(rings=self.rings)])
         self.unroutable = 0
         self.keys = SessionKeys.new()
         self._ctx: zmq.asyncio.Context | None = None
@@ -141,12 +143,9 @@ class TrainerSession:
 
     def _accept(self, frames: list[Any], ready: list[Message]) -> None:
         try:
-            msg = self.wire.decode(frames, self.rings)
+            msg = self.receiver.decode(frames)
         except ProtocolError as exc:
             self.rejected[exc.reason] += 1
-            return
-        if msg.kind not in (Kind.BATCH, Kind.ERROR, Kind.END):
-            self.rejected["kind"] += 1
             return
         self.received += 1
         self.received_in_ring += msg.in_ring

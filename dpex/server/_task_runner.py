@@ -20,6 +20,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 from dpex._protocol import Kind, ProtocolError
 from dpex._shm import WorkerRing, collating_into
 from dpex._spec import ShippedLoader, WorkerSpec
+from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
 
 __all__ = ["TaskRunner"]
@@ -62,10 +63,15 @@ class TaskRunner:
     """
 
     def __init__(self, spec: WorkerSpec, shipped: bytes, node: str = "?",
-                 ring: WorkerRing | None = None) -> None:
+                 ring: WorkerRing | None = None, transport: Transport | None = None) -> None:
+        """``ring``: the trainer's shared-memory ring when this worker shares its node
+        (batches are collated into it and travel through it); ``transport``: how
+        batches travel otherwise (the socket by default; a test's in-memory fake)."""
         self.spec = spec
         self.node = node
         self.ring = ring
+        self.transport: Transport = (RingTransport(sender=ring) if ring is not None
+                                     else transport or SOCKET)
         self.loader: ShippedLoader = _load(shipped)
         torch.set_num_threads(1)
         self._setup(spec)
@@ -167,7 +173,7 @@ class TaskRunner:
             return self._error(epoch, seq, indices)
         try:
             try:
-                return wire.encode_data(epoch, seq, wid, batch, self.ring)
+                return encode_data(wire, epoch, seq, wid, batch, self.transport)
             except ProtocolError as exc:  # too large: the trainer would drop it unseen
                 raise BatchTooLargeError(f"{exc}; raise DpexDataLoader(max_message_bytes=...) "
                                          "or use smaller batches") from None
