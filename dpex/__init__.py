@@ -7,6 +7,7 @@ torch's DataLoader would, computed by Ray actors and streamed over ZeroMQ.
 from dpex._config import DpexConfig
 from dpex._stats import LoaderStats, stats_prometheus
 from dpex._version import __version__
+from dpex.client._warm import release as release_warm_workers
 from dpex.dataloader import DpexDataLoader
 from dpex.errors import (
     BatchTooLargeError,
@@ -31,6 +32,7 @@ __all__ = [
     "DpexConfig",
     "LoaderStats",
     "stats_prometheus",
+    "release_warm_workers",
     "DpexError",
     "RayConnectionError",
     "DatasetNotPicklableError",

@@ -41,4 +41,6 @@ class WorkerSpec:
     shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
     incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement
     ring: RingRef | None = None  # the trainer's shared-memory ring for this incarnation
-    pooled: bool = False  # a fleet's session: served in a process of its own
+    # Served in a process of its own, forked for this session from the worker's
+    # forkserver: a fleet's sessions, and every session on a warm (reused) worker.
+    pooled: bool = False

@@ -20,6 +20,7 @@ class WorkerStats(TypedDict, total=False):
     node_ip: str
     node_id: str
     transport: str  # "ring", or "socket (why)"
+    warm: bool  # started on a warm worker of an earlier iterator (its own fresh process)
     batches: int  # results of this worker that counted, this iterator
     batches_per_s: float  # batches over the time since it was first ready
 
@@ -32,6 +33,8 @@ class LoaderStats(TypedDict, total=False):
     workers_ready: int
     workers: dict[int, WorkerStats]
     credits_in_flight: int  # batches dispatched and not yet taken (<= the window)
+    dataset_bytes: int  # the pickled dataset, collate_fn and worker_init_fn shipped
+    dataset_reused: bool  # the same bytes as the loader's previous iterator: not shipped again
     received: int  # data messages accepted
     received_in_ring: int  # of which through the same-node shared-memory ring
     unroutable: int  # control messages held for a worker whose connection was lost

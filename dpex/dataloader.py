@@ -91,6 +91,7 @@ class DpexDataLoader(DataLoader[T_co]):
         shm_ring_bytes: int = DEFAULT_RING_BYTES,
         worker_pool: str | None = None,
         lost_batch_timeout: float | None = None,
+        warm_worker_timeout: float = 60.0,
     ) -> None:
         if isinstance(batch_size, bool):
             raise TypeError(
@@ -149,12 +150,16 @@ class DpexDataLoader(DataLoader[T_co]):
         self._live_iterators: weakref.WeakSet = weakref.WeakSet()
         self._latest: weakref.ref | None = None  # the newest distributed iterator
         self._final_stats: dict = {}  # what the newest one to shut down reported last
+        # (digest, object ref) of the last shipped dataset: an iterator whose pickled
+        # dataset, collate_fn and worker_init_fn are the same bytes reuses the object
+        # the workers' nodes already hold instead of putting (and moving) it again.
+        self._shipped: tuple[bytes, Any] | None = None
 
     def __getstate__(self) -> dict:
         """The configuration only (for ``mp.spawn``, Lightning's ``ddp_spawn``): live
         iterators, their workers and counters stay with the process that made them."""
         state = dict(self.__dict__)
-        for name in ("_iterator", "_live_iterators", "_latest", "_final_stats"):
+        for name in ("_iterator", "_live_iterators", "_latest", "_final_stats", "_shipped"):
             state.pop(name, None)
         return state
 

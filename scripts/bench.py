@@ -7,8 +7,10 @@ dpex-socket, then the reverse, ...) so machine noise hits all alike. Throughput
 is measured on the second epoch of persistent workers; the first warms up.
 Reported per scenario and loader: median and min–max of batches/s, GB/s, the
 dpex/torch ratio, the trainer process's CPU time per batch, time to the first
-batch (cold: fresh workers; warm: persistent workers, next epoch) and the
-trainer's peak RSS above its level before the run. Ray's start is timed apart.
+batch (cold: fresh workers; warm: persistent workers, next epoch; fresh: a new
+non-persistent iterator right after the run, on dpex's warm workers, see
+docs/WARM_WORKERS.md) and the trainer's peak RSS above its level before the
+run. Ray's start is timed apart.
 
     python scripts/bench.py                          # all scenarios, 3 repeats
     python scripts/bench.py --scenarios small large --repeats 5
@@ -119,18 +121,34 @@ class RssPeak:
         self._thread.join(5)
 
 
+def make_loader(loader_name: str, dataset: Dataset, **kw) -> DataLoader:
+    if loader_name == "torch":
+        # forkserver: forking a process connected to Ray breaks Ray's client.
+        return DataLoader(dataset, multiprocessing_context="forkserver", **kw)
+    if loader_name == "dpex-socket":  # the path remote workers take: no shared memory
+        return DpexDataLoader(dataset, distribute_mode=True, shm_ring_bytes=0, **kw)
+    return DpexDataLoader(dataset, distribute_mode=True, **kw)
+
+
+def fresh_first_batch(loader_name: str, dataset: Dataset, kw: dict) -> float:
+    """Seconds from ``iter()`` to the first batch of a new loader's fresh iterator (no
+    persistent workers), as each epoch of most training scripts starts; drains it."""
+    loader = make_loader(loader_name, dataset, **{**kw, "persistent_workers": False})
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    took = time.perf_counter() - t0
+    for _ in it:
+        pass
+    return took
+
+
 def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
     make, batch_size, _ = SCENARIOS[scenario]
     dataset = make(batch_size * batches)
     kw = {"batch_size": batch_size, "num_workers": args.workers,
           "prefetch_factor": args.prefetch_factor, "persistent_workers": True}
-    if loader_name == "torch":
-        # forkserver: forking a process connected to Ray breaks Ray's client.
-        loader = DataLoader(dataset, multiprocessing_context="forkserver", **kw)
-    elif loader_name == "dpex-socket":  # the path remote workers take: no shared memory
-        loader = DpexDataLoader(dataset, distribute_mode=True, shm_ring_bytes=0, **kw)
-    else:
-        loader = DpexDataLoader(dataset, distribute_mode=True, **kw)
+    loader = make_loader(loader_name, dataset, **kw)
     nbytes = 0
     with RssPeak() as rss:
         t0 = time.perf_counter()
@@ -160,7 +178,9 @@ def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
         loader.close()
     else:
         loader._iterator._shutdown_workers()
-    return {"batches_per_s": (n - 1) / elapsed, "gb_per_s": nbytes / elapsed / 1e9,
+    short = make(batch_size * 4)  # a short epoch: the start is what is timed
+    ttfb_fresh = fresh_first_batch(loader_name, short, kw)
+    return {"ttfb_fresh_ms": ttfb_fresh * 1e3, "batches_per_s": (n - 1) / elapsed, "gb_per_s": nbytes / elapsed / 1e9,
             "cpu_us_per_batch": cpu / (n - 1) * 1e6, "ttfb_cold_ms": ttfb_cold * 1e3,
             "ttfb_warm_ms": ttfb_warm * 1e3, "peak_rss_mib": (rss.peak - rss.base) / 2**20,
             "data_wait_pct": 100 * waited / elapsed}
@@ -176,8 +196,9 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(results: dict) -> str:
     rows = ["| scenario | loader | batches/s (min–max) | GB/s | dpex/torch | trainer CPU µs/batch "
-            "| first batch cold ms | first batch warm ms | peak RSS +MiB | waited in next() % |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| first batch cold ms | first batch warm ms | first batch fresh ms "
+            "| peak RSS +MiB | waited in next() % |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for scenario, by_loader in results.items():
         t = by_loader["torch"]["batches_per_s"]["median"]
         for name in by_loader:
@@ -188,7 +209,8 @@ def table(results: dict) -> str:
                 f"| {scenario} | {name} | {b['median']:.0f} ({b['min']:.0f}–{b['max']:.0f}) | "
                 f"{s['gb_per_s']['median']:.2f} | {ratio} | "
                 f"{s['cpu_us_per_batch']['median']:.0f} | {s['ttfb_cold_ms']['median']:.0f} | "
-                f"{s['ttfb_warm_ms']['median']:.0f} | {s['peak_rss_mib']['median']:.0f} | "
+                f"{s['ttfb_warm_ms']['median']:.0f} | {s['ttfb_fresh_ms']['median']:.0f} | "
+                f"{s['peak_rss_mib']['median']:.0f} | "
                 f"{s['data_wait_pct']['median']:.0f} |")
     return "\n".join(rows)
 

@@ -102,7 +102,8 @@ def trial(args) -> dict:
             while len(it._ready) < it._num_workers:
                 it._receive_one()
             t_kill = time.monotonic()
-            os.kill(it._ready[1]["pid"], signal.SIGKILL)
+            info = it._ready[1]  # the process computing its batches (a warm worker's session)
+            os.kill(info.get("session_pid", info["pid"]), signal.SIGKILL)
     rec = it.stats()["recoveries"][0]
     ready = rec["ready_at"] - t_kill if "ready_at" in rec else None
     return {"detect": rec["reported_at"] - t_kill, "ready": ready,

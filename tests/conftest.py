@@ -22,6 +22,9 @@ def ray_session():
 
     connect_ray("auto")  # what a user's first DpexDataLoader iterator does
     yield ray
+    import dpex
+
+    dpex.release_warm_workers()
     ray.shutdown()
 
 

@@ -240,16 +240,43 @@ def live_workers() -> list[dict]:
             if info.get("ActorClassName") == "DpexWorker" and info.get("State") != "DEAD"]
 
 
+def busy_workers() -> list[dict]:
+    """Live dpex worker actors that are not idle in this process's warm pool."""
+    from dpex.client._warm import POOL
+
+    kept = POOL.actor_ids()
+    return [w for w in live_workers() if w.get("ActorID") not in kept]
+
+
+def wait_released(pids, limit: float = 10.0) -> list[int]:
+    """Wait until each worker process in ``pids`` ended or is idle in this process's warm
+    pool (its session over); return those still busy."""
+    from dpex.client._warm import POOL
+
+    deadline = time.monotonic() + limit
+    POOL.wait_settled(limit)
+    while True:
+        busy = [pid for pid in pids_alive(pids)
+                if pid in {w.get("Pid") for w in busy_workers()}]
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.1)
+
+
 def wait_no_workers(limit: float = 30.0) -> None:
-    """Wait until no dpex worker actor is alive and no worker group of this process is
-    live: actors killed by earlier tests die asynchronously."""
+    """Wait until every dpex worker actor is dead or idle in this process's warm pool
+    (which has checked that it serves no session and runs no compute thread) and no
+    worker group of this process is live: actors killed by earlier tests die
+    asynchronously."""
+    from dpex.client._warm import POOL
     from dpex.client._workers import live_groups
 
     deadline = time.monotonic() + limit
-    while live_workers() or live_groups():
+    POOL.wait_settled(limit)
+    while busy_workers() or live_groups():
         if time.monotonic() > deadline:
             raise TimeoutError(f"dpex workers still alive after {limit} s: "
-                               f"{[w.get('Pid') for w in live_workers()]}, "
+                               f"{[w.get('Pid') for w in busy_workers()]}, "
                                f"{len(live_groups())} live worker groups")
         time.sleep(0.1)
 

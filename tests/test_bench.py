@@ -43,3 +43,19 @@ def test_scale_model_measures_the_costs_and_finds_the_limit():
     assert predicted == sorted(predicted)  # more workers never predict less
     assert rows[1].endswith("| workers |")  # one worker cannot saturate a rank
     assert rows[-1].endswith(("| trainer CPU |", "| network |"))  # 64 can
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_first_batch_bench_runs_the_alternation_for_both_loaders(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_first_batch.py"), "--epochs", "2",
+         "--repeats", "1", "--train-batches", "4", "--val-batches", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "first_batch.json").read_text())
+    for loader in ("torch", "dpex"):
+        assert len(data["runs"][loader][0]["first_ms"]) == 4  # 2 epochs x (train, val)
+        assert f"| {loader} |" in proc.stdout
+    assert (tmp_path / "first_batch.png").stat().st_size > 5000

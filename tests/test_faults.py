@@ -19,7 +19,8 @@ def ready_pids(it, limit=60.0):
     while len(it._ready) < it._num_workers and time.monotonic() < deadline:
         it._receive_one()
     assert len(it._ready) == it._num_workers, "workers did not start"
-    return {w: info["pid"] for w, info in it._ready.items()}
+    # The process that computes each worker's batches: on a warm worker, its session's own.
+    return {w: info.get("session_pid", info["pid"]) for w, info in it._ready.items()}
 
 
 def kill(pid):

@@ -18,6 +18,16 @@ def dpex_threads():
     return [t for t in threading.enumerate() if t.name.startswith("dpex-loop")]
 
 
+def threads_back_to(before, limit=10.0):
+    """The loop threads left once the count is back to ``before`` or ``limit`` passed: a
+    dropped iterator is torn down on dpex's reaper thread, so its loop thread ends a
+    moment after its workers (which it stops first)."""
+    deadline = time.monotonic() + limit
+    while len(dpex_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(dpex_threads())
+
+
 def wait_gone(pids, limit=10.0):
     deadline = time.monotonic() + limit
     while pids_alive(pids) and time.monotonic() < deadline:
@@ -29,34 +39,44 @@ def worker_pids(it):
     deadline = time.monotonic() + 30
     while len(it._ready) < it._num_workers and time.monotonic() < deadline:
         it._receive_one()
-    return [info["pid"] for info in it._ready.values()]
+    # The process running each worker's dataset code (on a warm worker, its session's).
+    return [info.get("session_pid", info["pid"]) for info in it._ready.values()]
+
+
+# The tests below that wait for worker processes to end turn warm workers off
+# (warm_worker_timeout=0): with them on, an iterator's end ends its workers' sessions
+# and keeps the processes for the next iterator (tests/test_warm.py).
+NO_REUSE = {"warm_worker_timeout": 0}
 
 
 def test_exhausted_iterator_stops_its_actors_and_thread():
     before = len(dpex_threads())
-    it = iter(DpexDataLoader(dsets.Squares(10), batch_size=5, num_workers=2, distribute_mode=True))
+    it = iter(DpexDataLoader(dsets.Squares(10), batch_size=5, num_workers=2, distribute_mode=True,
+                             **NO_REUSE))
     pids = worker_pids(it)
     assert len(list(it)) == 2 and len(pids) == 2
     assert wait_gone(pids) == []
-    assert len(dpex_threads()) == before
+    assert threads_back_to(before) == before
 
 
 def test_broken_off_and_deleted_iterator_leaves_nothing():
     before = len(dpex_threads())
-    loader = DpexDataLoader(dsets.Squares(100), batch_size=2, num_workers=2, distribute_mode=True)
+    loader = DpexDataLoader(dsets.Squares(100), batch_size=2, num_workers=2, distribute_mode=True,
+                            **NO_REUSE)
     it = iter(loader)
     next(it)
     pids = worker_pids(it)
     del it
     gc.collect()
     assert wait_gone(pids) == []
-    assert len(dpex_threads()) == before
+    assert threads_back_to(before) == before
 
 
 @pytest.mark.parametrize("how", ["close", "with"])
 def test_persistent_workers_end_with_close_or_context_manager(how):
     before = len(dpex_threads())
-    kw = {"batch_size": 5, "num_workers": 2, "persistent_workers": True, "distribute_mode": True}
+    kw = {"batch_size": 5, "num_workers": 2, "persistent_workers": True, "distribute_mode": True,
+          **NO_REUSE}
     if how == "close":
         loader = DpexDataLoader(dsets.Squares(10), **kw)
         list(loader)
@@ -69,7 +89,7 @@ def test_persistent_workers_end_with_close_or_context_manager(how):
             list(loader)
             pids = worker_pids(loader._iterator)
     assert wait_gone(pids) == []
-    assert len(dpex_threads()) == before
+    assert threads_back_to(before) == before
 
 
 def test_a_closed_iterator_says_so():

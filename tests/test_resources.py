@@ -36,10 +36,12 @@ def both(make, consume):
 
 
 def worker_pids(it, limit=60.0):
+    """The workers' processes: each actor's and, on a warm worker, its session's own."""
     deadline = time.monotonic() + limit
     while len(it._ready) < it._num_workers and time.monotonic() < deadline:
         it._receive_one()
-    return sorted(info["pid"] for info in it._ready.values())
+    return sorted(info[key] for info in it._ready.values() for key in ("pid", "session_pid")
+                  if key in info)
 
 
 def wait_gone(pids, limit=5.0):
@@ -111,9 +113,23 @@ def test_iterators_not_yet_collected_do_not_block_a_new_one():
     del held
 
 
-def test_an_iterator_that_raised_releases_its_workers_at_once():
+def released(pids, reuse):
+    """Ended (without warm workers); or, with them, every session process ended and
+    every actor idle in the warm pool."""
+    if not reuse:
+        return wait_gone(pids)
+    from dpex.client._warm import POOL
+
+    assert POOL.wait_settled(10)
+    actors = {w.get("Pid") for w in dsets.live_workers()}
+    return dsets.wait_released([p for p in pids if p in actors]) + wait_gone(
+        [p for p in pids if p not in actors])
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["warm", "no-reuse"])
+def test_an_iterator_that_raised_releases_its_workers_at_once(reuse):
     loader = DpexDataLoader(dsets.FailsAt(5, n=40), batch_size=2, num_workers=CORES,
-                            distribute_mode=True)
+                            distribute_mode=True, warm_worker_timeout=60 if reuse else 0)
     pids = []
     with pytest.raises(ValueError) as caught:
         for i, _ in enumerate(loader):
@@ -121,7 +137,7 @@ def test_an_iterator_that_raised_releases_its_workers_at_once():
                 pids = worker_pids(loader._latest())
     # The exception (and so its traceback) is still alive here: the iterator is not.
     assert caught.value is not None and loader._latest() is None
-    assert wait_gone(pids) == []
+    assert released(pids, reuse) == []
     # Iterating again gets fresh workers and the whole epoch up to the same error.
     got = []
     with pytest.raises(ValueError):
@@ -139,9 +155,10 @@ def test_an_iterator_the_caller_keeps_goes_on_after_an_error_as_torchs_does():
     assert got[0][2][0] == "ValueError" and len(got[0]) == 6
 
 
-def test_a_broken_off_iterator_releases_its_workers_without_the_garbage_collector():
+@pytest.mark.parametrize("reuse", [True, False], ids=["warm", "no-reuse"])
+def test_a_broken_off_iterator_releases_its_workers_without_the_garbage_collector(reuse):
     loader = DpexDataLoader(dsets.Squares(40), batch_size=2, num_workers=CORES,
-                            distribute_mode=True)
+                            distribute_mode=True, warm_worker_timeout=60 if reuse else 0)
     gc.disable()  # only reference counting may free it
     try:
         for i, _ in enumerate(loader):
@@ -150,7 +167,7 @@ def test_a_broken_off_iterator_releases_its_workers_without_the_garbage_collecto
             if i == 2:
                 break
         assert loader._latest() is None
-        assert wait_gone(pids) == []
+        assert released(pids, reuse) == []
     finally:
         gc.enable()
 

@@ -5,6 +5,7 @@ import asyncio
 import queue
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -198,7 +199,9 @@ def bare_worker(session_timeout: float) -> DpexWorker:
     worker = DpexWorker.__new__(DpexWorker)
     worker.session_timeout = session_timeout
     worker.placement = {"node_id": "f" * 56, "node_ip": "127.0.0.1", "pid": 1}
+    worker.pooled = False
     worker._sessions, worker._children = set(), set()
+    worker._computes = weakref.WeakSet()
     worker._lock = threading.Lock()
     worker._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
                         "control_rejected": 0}

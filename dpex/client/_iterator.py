@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -81,7 +82,8 @@ class _Runtime:
         self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff)
         self.workers: WorkerGroup | FleetGroup = (
             FleetGroup(config.worker_pool, handoff) if config.worker_pool
-            else WorkerGroup(worker_class, config.ray_remote_args, handoff, label))
+            else WorkerGroup(worker_class, config.ray_remote_args, handoff, label,
+                             keep_s=config.warm_worker_timeout))
         self.closed = False
 
     def open(self) -> None:
@@ -97,6 +99,19 @@ class _Runtime:
         self.closed = True
         self.workers.stop()
         self.loop.stop(cleanup=self.session.close)
+
+
+def _ship(loader: Any, shipped: bytes) -> tuple[Any, bool]:
+    """The object store's copy of ``shipped`` (kept: replacements load the same object),
+    and whether it is the loader's previous iterator's (the same bytes: its workers'
+    nodes hold it already, nothing is put or moved again)."""
+    digest = hashlib.blake2b(shipped, digest_size=16).digest()
+    previous = getattr(loader, "_shipped", None)
+    if previous is not None and previous[0] == digest:
+        return previous[1], True
+    ref = ray.put(shipped)
+    loader._shipped = (digest, ref)
+    return ref, False
 
 
 class RayDataLoaderIter(_BaseDataLoaderIter):
@@ -148,7 +163,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             ]
             self._startup_deadline = time.monotonic() + self._startup_timeout
             self._placement_check_at: float | None = time.monotonic() + _PLACEMENT_GRACE_S
-            self._shipped = ray.put(shipped)  # kept: replacements load the same object
+            self._shipped, self._shipped_reused = _ship(loader, shipped)
+            self._shipped_bytes = len(shipped)
             self._runtime.workers.start(self._specs, self._shipped)
         except BaseException:
             self._runtime.close()
@@ -417,7 +433,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     def _workers(self) -> list[WorkerProcess]:
         """The current worker of each id, as torch's ``_workers`` (process-like handles)."""
         workers = self._runtime.workers
-        return [WorkerProcess(workers, w, actor, self._known.get(w, {}).get("pid"))
+        # pid: the process running the worker's dataset code, as torch's (a session's own
+        # process on a warm worker or a fleet; else the actor's).
+        return [WorkerProcess(workers, w, actor, self._known.get(w, {}).get(
+                    "session_pid", self._known.get(w, {}).get("pid")))
                 for w, actor in sorted(workers.actors.items())]
 
     @property
@@ -439,6 +458,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 continue
             info = {k: rec.known[k] for k in ("pid", "session_pid", "node_ip", "node_id",
                                               "transport") if k in rec.known}
+            info["warm"] = rec.id in getattr(self._runtime.workers, "warm", ())
             up = now - rec.first_ready_at if rec.first_ready_at is not None else 0.0
             workers[rec.id] = {**info, "batches": rec.batches,
                                "batches_per_s": rec.batches / up if up > 0 else 0.0}
@@ -450,6 +470,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             "workers_ready": len(self._ready),
             "workers": workers,
             "credits_in_flight": self._sched.in_flight,
+            "dataset_bytes": self._shipped_bytes,
+            "dataset_reused": self._shipped_reused,
             **session,
             "dropped": dict(self._sched.counters),
             "recoveries": [dict(r) for r in self._sched.recoveries],

@@ -8,6 +8,7 @@ the next group's workers and names who holds what when a request waits.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -23,6 +24,7 @@ from dpex import _cluster, _placement
 from dpex._fleet_registry import choose_workers
 from dpex._spec import WorkerSpec
 from dpex.client._events import WorkerExit
+from dpex.client._warm import POOL
 
 __all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups"]
 
@@ -76,10 +78,14 @@ class WorkerGroup:
     """The actors of one iterator. ``stop()`` is idempotent and kills them all.
 
     ``worker_class`` is the actor class (dpex's ``DpexWorker``, handed in by the loader:
-    the trainer side does not import the worker side)."""
+    the trainer side does not import the worker side). With ``keep_s > 0`` and workers
+    that reserve nothing, a worker starts on an idle process of this trainer's warm
+    pool when one is there, and ``stop()`` ends the sessions and hands the processes
+    back to it (:mod:`dpex.client._warm`) instead of killing them."""
 
     def __init__(self, worker_class: type, ray_remote_args: Mapping[str, Any],
-                 events: queue.SimpleQueue, label: str = "dpex loader") -> None:
+                 events: queue.SimpleQueue, label: str = "dpex loader",
+                 keep_s: float = 0.0) -> None:
         self.worker_class = worker_class
         self.user_args = dict(ray_remote_args)
         self.reserving = _placement.reserves(self.user_args)
@@ -92,6 +98,11 @@ class WorkerGroup:
         self.label = label
         self.actors: dict[int, Any] = {}
         self.nodes: dict[int, str | None] = {}  # the node dpex chose for each worker
+        # Reuse only what reserves nothing: an idle worker holding CPUs would starve others.
+        self.keep_s = keep_s if not self.reserving else 0.0
+        self._key = _options_key(self.options)
+        self._calls: dict[int, Any] = {}  # each worker's serve call
+        self.warm: set[int] = set()  # worker ids whose session runs on a warm worker
         self._stopped = False
         with _groups_lock:
             _GROUPS.add(self)
@@ -105,13 +116,20 @@ class WorkerGroup:
             self._start_one(spec, shipped, node)
 
     def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None) -> None:
-        options = dict(self.options)
-        if node is not None:
-            options["scheduling_strategy"] = _cluster.on_node(node)
-        actor = self._actor_class.options(**options).remote()
+        actor = POOL.take(self._key, node) if self.keep_s > 0 else None
+        if actor is not None:  # a fresh process for the session, forked on that worker
+            spec = dataclasses.replace(spec, pooled=True)
+            self.warm.add(spec.worker_id)
+        else:
+            self.warm.discard(spec.worker_id)
+            options = dict(self.options)
+            if node is not None:
+                options["scheduling_strategy"] = _cluster.on_node(node)
+            actor = self._actor_class.options(**options).remote(warm=self.keep_s > 0)
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
         ref = actor.serve.remote(spec, shipped)
+        self._calls[spec.worker_id] = ref
         # Ray fails this reference as soon as the actor dies (process killed, node
         # lost): liveness without polling.
         ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
@@ -167,31 +185,50 @@ class WorkerGroup:
         )
 
     def stop(self) -> None:
+        """End every worker's session: hand its process to the warm pool (which keeps
+        it only once it proves idle) or, without reuse, kill it."""
         if self._stopped:
             return
         self._stopped = True
         if not ray.is_initialized():
             return
-        for actor in self.actors.values():
+        for worker_id, actor in self.actors.items():
+            ref = self._calls.get(worker_id)
+            if self.keep_s > 0 and ref is not None:
+                try:
+                    ray.cancel(ref)  # an async actor's task: its serve() ends and cleans up
+                except Exception:
+                    pass  # finished already, or its worker is gone (the pool finds out)
+                POOL.give_back(actor, ref, self._key, self.nodes.get(worker_id), self.keep_s)
+                continue
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass  # already gone
 
 
+def _options_key(options: Mapping[str, Any]) -> str:
+    """Actor options as a key: warm workers are reused only for the same options."""
+    return repr(sorted((k, repr(v)) for k, v in options.items()))
+
+
 class WorkerProcess:
     """One worker as torch's iterator shows its worker processes (``iterator._workers``):
     ``pid``, ``is_alive()``, ``join(timeout)``, ``exitcode`` and ``terminate()``, for code
-    that checks that workers end (PyTorch's own DataLoader tests do). A fleet session
-    is alive until its iterator ends it (the fleet's process lives on)."""
+    that checks that workers end (PyTorch's own DataLoader tests do). A fleet session,
+    or a session on a process the warm pool keeps, is alive until its iterator ends it
+    (the process lives on for other sessions)."""
 
     def __init__(self, group: WorkerGroup | FleetGroup, worker_id: int, actor: Any,
                  pid: int | None) -> None:
         self._group, self.worker_id, self._actor, self.pid = group, worker_id, actor, pid
 
     def is_alive(self) -> bool:
+        if isinstance(self._group, FleetGroup) or self._group.keep_s > 0:
+            if self._group.stopped:
+                return False
         if isinstance(self._group, FleetGroup):
-            return not self._group.stopped
+            return True
         if not ray.is_initialized():
             return False
         info = ray._private.state.state.actor_table(self._actor._actor_id.hex())

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import queue
 import threading
+import weakref
 from typing import Any
 
 import zmq
@@ -115,16 +116,32 @@ class DpexWorker:
     one ``serve`` call each; ``session_timeout`` is how long a session may hear
     nothing from its trainer (which pings every second) before it is freed."""
 
-    def __init__(self, session_timeout: float = 30.0, pooled: bool = False) -> None:
+    def __init__(self, session_timeout: float = 30.0, pooled: bool = False,
+                 warm: bool = False) -> None:
+        """``pooled``: a fleet worker (every session in a process of its own); ``warm``:
+        a trainer's worker that may serve its later iterators (each in a process of its
+        own). Both start the forkserver those processes fork from now, in the
+        background, so that no session waits for it."""
         self.session_timeout = session_timeout
+        self.pooled = pooled
         self.placement = _placement()
         self._sessions: set[_Session] = set()
+        self._computes: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._children: set[SessionProcess] = set()  # pooled sessions' processes
         self._lock = threading.Lock()
         self._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
                           "control_rejected": 0}
-        if pooled:  # a fleet worker: its sessions' forkserver, ready before the first
+        if pooled or warm:
             threading.Thread(target=prestart, name="dpex-forkserver", daemon=True).start()
+
+    def reusable(self) -> bool:
+        """Whether this worker may serve a later iterator of its trainer (the warm
+        pool asks when an iterator ends): no session is served and nothing of an ended
+        one still runs (a hung ``__getitem__`` would run on beside the next session).
+        Each later session gets a fresh process, forked from the forkserver, as a
+        torch worker does: nothing of this process's module state reaches it."""
+        return (not self._sessions and not any(t.is_alive() for t in self._computes)
+                and not self._children)
 
     def fleet_stats(self) -> dict:
         """Placement, versions and traffic so far (``dpex fleet status``)."""
@@ -204,6 +221,7 @@ class DpexWorker:
         compute = threading.Thread(target=self._compute, name="dpex-compute", daemon=True,
                                    args=(spec, shipped, ring, inbox, halt, loop, done, session))
         self._sessions.add(session)
+        self._computes.add(compute)
         log: _ConnectionLog | None = None
         watcher: asyncio.Future | None = None
         try:
@@ -330,13 +348,16 @@ class DpexWorker:
 
 
 class SessionWorker(DpexWorker):
-    """A fleet session's own process (:mod:`dpex.server._session_process`): serves one
-    session and counts its traffic into memory the fleet worker reads."""
+    """A session's own process (:mod:`dpex.server._session_process`; a fleet's, or one
+    on a warm worker): serves one session and counts its traffic into memory the worker
+    reads."""
 
     def __init__(self, placement: dict, session_timeout: float, counts: Any) -> None:
         self.session_timeout = session_timeout
+        self.pooled = False
         self.placement = {**placement, "session_pid": os.getpid()}
         self._sessions = set()
+        self._computes = weakref.WeakSet()
         self._children = set()
         self._lock = threading.Lock()
         self._counts = counts  # COUNTERS order: batches, bytes, control rejected

@@ -1,0 +1,199 @@
+"""Warm worker processes: a trainer process's idle worker actors, kept for its next
+iterator.
+
+torch starts its worker processes afresh for every iterator (``persistent_workers``
+is off by default) and that costs it ~0.1 s; a Ray actor costs seconds. So when an
+iterator ends, its workers' sessions are ended (``ray.cancel`` of their ``serve``
+call: sockets closed, compute thread joined) and each actor that is then provably
+idle (no session, no compute thread left: ``DpexWorker.reusable``) waits here, for
+at most its loader's ``warm_worker_timeout`` seconds, for the next iterator with
+the same actor options on the same node. A new iterator's session on it ships the
+dataset, seeds, ``worker_init_fn`` and ``get_worker_info()`` afresh, exactly as a
+fresh worker's (module-level state of the process is what it keeps).
+
+The pool belongs to this process: its actors are ordinary (not detached) actors of
+this Ray driver, so they end with it even when it is killed, and :func:`release`
+(also run at exit) kills the idle ones at once. One thread, ``dpex-warm``, checks
+returning actors and retires expired ones; it ends when nothing is left to watch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+__all__ = ["WarmPool", "POOL", "release"]
+
+_CHECK_S = 10.0  # how long a returning actor may take to end its session
+_TAKE_WAIT_S = 5.0  # how long a new worker waits for a returning one (vs. seconds to start)
+_TICK_S = 0.5
+
+
+@dataclass
+class _Entry:
+    actor: Any
+    key: str
+    node: str | None
+    keep_s: float
+    ref: Any = None  # the ended session's serve call (returning entries)
+    since: float = field(default_factory=time.monotonic)
+
+
+class WarmPool:
+    """Idle worker actors by (options, node). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # an entry left "returning"
+        self._idle: list[_Entry] = []
+        self._returning: list[_Entry] = []
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self.reused = 0  # sessions started on a warm actor (for stats and tests)
+
+    # -- what a worker group calls -----------------------------------------------
+
+    def take(self, key: str, node: str | None) -> Any | None:
+        """An idle actor with options ``key`` on ``node`` (any node for ``None``), or
+        None. One that is still returning (its iterator ended a moment ago: a
+        validation loop right after training) is waited for, briefly."""
+
+        def fits(entry: _Entry) -> bool:
+            return entry.key == key and (node is None or entry.node == node)
+
+        deadline = time.monotonic() + _TAKE_WAIT_S
+        with self._lock:
+            while True:
+                for i, entry in enumerate(self._idle):
+                    if fits(entry):
+                        del self._idle[i]
+                        self.reused += 1
+                        return entry.actor
+                left = deadline - time.monotonic()
+                if left <= 0 or not any(fits(e) for e in self._returning):
+                    return None
+                self._settled.wait(left)
+
+    def give_back(self, actor: Any, ref: Any, key: str, node: str | None,
+                  keep_s: float) -> None:
+        """An iterator ended its session on ``actor`` (``ref``: the serve call it
+        cancelled); keep the actor ``keep_s`` seconds once it proves idle."""
+        with self._lock:
+            self._returning.append(_Entry(actor, key, node, keep_s, ref))
+            self._ensure_thread()
+        self._wake.set()
+
+    def idle_count(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def actor_ids(self) -> set[str]:
+        """The Ray actor ids of every idle and returning actor."""
+        with self._lock:
+            return {e.actor._actor_id.hex() for e in self._idle + self._returning}
+
+    def release(self) -> int:
+        """Kill every idle and returning actor now; return how many."""
+        with self._lock:
+            entries, self._idle, self._returning = self._idle + self._returning, [], []
+            self._settled.notify_all()
+        for entry in entries:
+            _kill(entry.actor)
+        return len(entries)
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Wait until no returning actor is left unchecked (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._returning:
+                    return True
+            time.sleep(0.02)
+        return False
+
+    # -- the dpex-warm thread ------------------------------------------------------
+
+    def _ensure_thread(self) -> None:  # lock held
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="dpex-warm", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                refs = [e.ref for e in self._returning]
+            if refs:  # wake as soon as a session ends
+                ray.wait(refs, num_returns=1, timeout=_TICK_S)
+            else:
+                self._wake.wait(_TICK_S)
+            self._wake.clear()
+            if not ray.is_initialized():
+                with self._lock:
+                    self._idle, self._returning = [], []  # their driver is gone: so are they
+                    self._thread = None
+                return
+            self._check_returning()
+            self._expire()
+            with self._lock:
+                if not self._idle and not self._returning:
+                    self._thread = None
+                    return
+
+    def _check_returning(self) -> None:
+        with self._lock:
+            returning = list(self._returning)
+        for entry in returning:
+            done, _ = ray.wait([entry.ref], timeout=0)
+            late = time.monotonic() - entry.since > _CHECK_S
+            if not done and not late:
+                continue
+            keep = bool(done) and _reusable(entry.actor)
+            with self._lock:  # it stays "returning" until decided: release() sees it
+                released = entry not in self._returning
+                if not released:
+                    self._returning.remove(entry)
+                    if keep:
+                        entry.ref, entry.since = None, time.monotonic()
+                        self._idle.append(entry)
+                self._settled.notify_all()
+            if released or not keep:
+                _kill(entry.actor)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [e for e in self._idle if now - e.since >= e.keep_s]
+            self._idle = [e for e in self._idle if e not in expired]
+        for entry in expired:
+            _kill(entry.actor)
+
+
+def _reusable(actor: Any) -> bool:
+    try:
+        return bool(ray.get(actor.reusable.remote(), timeout=_CHECK_S))
+    except Exception:  # dead, or too slow to answer: not worth keeping
+        return False
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:
+        pass  # already gone
+
+
+POOL = WarmPool()
+
+
+def release() -> int:
+    """Kill this process's idle warm workers now (they also end with it); return how
+    many. ``dpex.release_warm_workers()``."""
+    return POOL.release()
+
+
+atexit.register(release)

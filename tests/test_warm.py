@@ -1,0 +1,138 @@
+"""Warm workers: a new iterator starts on the idle workers of the last one, and gets
+exactly what fresh workers give (torch's batches, seeds, worker info, worker_init_fn
+run again) from a fresh process per session; idle workers end on time, on request, or
+with the trainer, and a worker that might still run user code is never reused."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import dsets
+import pytest
+import torch
+from dsets import assert_same, pids_alive
+
+import dpex
+from dpex import DpexDataLoader
+from dpex.client._warm import POOL
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
+
+
+def wait_gone(pids, limit=20.0):
+    deadline = time.monotonic() + limit
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids_alive(pids)
+
+
+def worker_pids(loader):
+    return sorted(w["pid"] for w in loader.stats()["workers"].values())
+
+
+def test_a_warm_worker_gives_exactly_what_a_fresh_one_gives():
+    """Seeds, get_worker_info(), worker_init_fn and module state: what a fresh torch
+    worker process sees, on the second and third iterator as on the first."""
+    kw = {"batch_size": 4, "shuffle": True, "num_workers": 2, "worker_init_fn": dsets.mark_init}
+    dpex.release_warm_workers()  # earlier tests' idle workers: the first iterator starts cold
+    torch.manual_seed(21)
+    theirs = [list(dsets.torch_loader(dsets.SeedProbe(), **kw)) for _ in range(3)]
+    torch.manual_seed(21)
+    loader = DpexDataLoader(dsets.SeedProbe(), distribute_mode=True, **kw)
+    ours, warm, pids = [], [], []
+    for _ in range(3):
+        ours.append(list(loader))  # a fresh iterator each epoch (persistent_workers=False)
+        stats = loader.stats()["workers"]
+        warm.append(sorted(w["warm"] for w in stats.values()))
+        pids.append(worker_pids(loader))
+        assert POOL.wait_settled(20)
+    assert_same(theirs, ours)  # init_marker "0," / "1,": worker_init_fn ran in a fresh process
+    assert warm == [[False, False], [True, True], [True, True]]
+    assert pids[0] == pids[1] == pids[2]  # the same Ray workers, no new actor
+
+
+def test_idle_workers_end_after_their_timeout_and_on_release():
+    loader = DpexDataLoader(dsets.Squares(8), batch_size=4, num_workers=2,
+                            distribute_mode=True, warm_worker_timeout=2.0)
+    assert len(list(loader)) == 2
+    pids = worker_pids(loader)
+    assert POOL.wait_settled(20)
+    assert pids_alive(pids) == pids  # kept for the next iterator ...
+    assert wait_gone(pids) == []  # ... for 2 s
+    loader = DpexDataLoader(dsets.Squares(8), batch_size=4, num_workers=2,
+                            distribute_mode=True)
+    list(loader)
+    pids = worker_pids(loader)
+    assert POOL.wait_settled(20) and pids_alive(pids) == pids
+    assert dpex.release_warm_workers() >= 2
+    assert wait_gone(pids) == []
+
+
+def test_no_reuse_with_a_zero_timeout_or_workers_that_reserve_cpus():
+    for extra in ({"warm_worker_timeout": 0}, {"ray_remote_args": {"num_cpus": 0.5}}):
+        loader = DpexDataLoader(dsets.Squares(8), batch_size=4, num_workers=2,
+                                distribute_mode=True, **extra)
+        list(loader)
+        pids = worker_pids(loader)
+        assert wait_gone(pids) == [], extra  # ended with the iterator, as torch's
+
+
+def test_a_worker_that_may_still_run_user_code_is_not_reused():
+    # From index 5 on a fetch takes 120 s: still running when the iterator is dropped.
+    loader = DpexDataLoader(dsets.HangsFrom(5, 120.0, n=8), batch_size=1, num_workers=1,
+                            distribute_mode=True, timeout=60)
+    it = iter(loader)
+    assert [next(it).item() for _ in range(5)] == [0, 1, 2, 3, 4]
+    time.sleep(0.5)  # index 5 is being fetched
+    pids = worker_pids(loader)
+    it._shutdown_workers()
+    assert wait_gone(pids, limit=30) == []  # its compute thread outlived the session
+    assert POOL.idle_count() == 0
+
+
+def test_warm_workers_end_with_their_trainer(tmp_path):
+    """Owned by the trainer process: gone with it, even when it is killed."""
+    script = textwrap.dedent("""
+        import os, sys, time, torch
+        from dpex import DpexDataLoader
+        from dpex.client._warm import POOL
+        loader = DpexDataLoader(torch.arange(8), batch_size=4, num_workers=2,
+                                distribute_mode=True, warm_worker_timeout=600)
+        list(loader)
+        POOL.wait_settled(30)
+        pids = [w["pid"] for w in loader.stats()["workers"].values()]
+        print("PIDS", *pids, "IDLE", POOL.idle_count(), flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "RAY_ADDRESS": ""})
+    try:
+        line = ""
+        deadline = time.monotonic() + 180
+        while not line.startswith("PIDS") and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+        words = line.split()
+        pids = [int(p) for p in words[1:words.index("IDLE")]]
+        assert len(pids) == 2 and words[-1] == "2"
+        assert pids_alive(pids) == pids
+    finally:
+        proc.kill()  # SIGKILL: no atexit, no clean-up of its own
+        proc.wait(30)
+    assert wait_gone(pids, limit=60) == []
+
+
+def test_an_unchanged_dataset_is_shipped_once_and_a_changed_one_again():
+    dataset = dsets.Squares(8)
+    loader = DpexDataLoader(dataset, batch_size=4, num_workers=2, distribute_mode=True)
+    list(loader)
+    first = loader.stats()
+    list(loader)
+    second = loader.stats()
+    assert not first["dataset_reused"] and second["dataset_reused"]
+    assert first["dataset_bytes"] == second["dataset_bytes"] > 0
+    dataset.max_sleep = 0.0  # another dataset now: shipped again, and the workers see it
+    batches = list(loader)
+    assert not loader.stats()["dataset_reused"]
+    assert [b[1].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
