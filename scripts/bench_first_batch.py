@@ -18,6 +18,7 @@ docs/bench/).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -80,8 +81,11 @@ def main() -> None:
     t = time.perf_counter()
     connect_ray("auto")
     ray_start = time.perf_counter() - t
+    # New actors (no warm workers; a tree from before them has no such argument).
+    no_reuse = ({"warm_worker_timeout": 0} if "warm_worker_timeout"
+                in inspect.signature(DpexDataLoader.__init__).parameters else {})
     cold = DpexDataLoader(torch.arange(64), batch_size=8, num_workers=args.workers,
-                          distribute_mode=True, warm_worker_timeout=0)
+                          distribute_mode=True, **no_reuse)
     t = time.perf_counter()
     next(iter(cold))
     cold_ms = (time.perf_counter() - t) * 1e3
