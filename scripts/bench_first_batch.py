@@ -2,7 +2,8 @@
 
 A train loader and a validation loader, neither with persistent workers, alternate
 over ``--epochs`` short epochs (Lightning's pattern): every epoch starts two fresh
-iterators. For torch's DataLoader and dpex, in one process with Ray already running
+iterators. For torch's DataLoader (its default start method, fork, as a user gets
+it) and dpex, in one process with Ray already running
 (its start is timed apart, as the cold start with no Ray), the table gives each
 loader's first-batch time (median and max over the fresh iterators after the first)
 and the whole alternation's wall time; dpex's later iterators start on its warm
@@ -44,9 +45,8 @@ def alternation(kind: str, epochs: int, train_batches: int, val_batches: int,
 
     def make(n: int) -> DataLoader:
         ds = Synthetic(item, torch.float32, n * batch)
-        if kind == "torch":  # forkserver: forking a process connected to Ray breaks Ray
-            return DataLoader(ds, batch_size=batch, num_workers=workers,
-                              multiprocessing_context="forkserver")
+        if kind == "torch":  # as a user gets it: fork, Linux's default (its workers never
+            return DataLoader(ds, batch_size=batch, num_workers=workers)  # touch Ray)
         return DpexDataLoader(ds, batch_size=batch, num_workers=workers, distribute_mode=True)
 
     train, val = make(train_batches), make(val_batches)
