@@ -38,7 +38,8 @@ for epoch in range(2):
     it = iter(loader)
     result["epochs"].append(list(it))
     result["sessions"].append(it._session.session_id)
-    result["pids"].extend(info["pid"] for info in it._ready.values())
+    # The processes that ran the dataset code (on a warm worker: its session's own).
+    result["pids"].extend(info.get("session_pid", info["pid"]) for info in it._ready.values())
 dist.barrier()
 torch.save(result, os.path.join(args.out, f"rank{rank}.pt"))
 dist.destroy_process_group()
