@@ -20,6 +20,7 @@ returning actors and retires expired ones; it ends when nothing is left to watch
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from typing import Any
 import ray
 
 __all__ = ["WarmPool", "POOL", "release"]
+
+logger = logging.getLogger("dpex")
 
 _CHECK_S = 10.0  # how long a returning actor may take to end its session
 _TAKE_WAIT_S = 5.0  # how long a new worker waits for a returning one (vs. seconds to start)
@@ -125,24 +128,31 @@ class WarmPool:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                refs = [e.ref for e in self._returning]
-            if refs:  # wake as soon as a session ends
-                ray.wait(refs, num_returns=1, timeout=_TICK_S)
-            else:
-                self._wake.wait(_TICK_S)
-            self._wake.clear()
             if not ray.is_initialized():
                 with self._lock:
                     self._idle, self._returning = [], []  # their driver is gone: so are they
                     self._thread = None
                 return
-            self._check_returning()
-            self._expire()
+            try:
+                self._round()
+            except Exception:  # a Ray call failed (shutting down, GCS busy): next round
+                logger.warning("dpex warm pool: a check failed; trying again", exc_info=True)
+                self._wake.wait(_TICK_S)
             with self._lock:
                 if not self._idle and not self._returning:
                     self._thread = None
                     return
+
+    def _round(self) -> None:
+        with self._lock:
+            refs = [e.ref for e in self._returning]
+        if refs:  # wake as soon as a session ends
+            ray.wait(refs, num_returns=1, timeout=_TICK_S)
+        else:
+            self._wake.wait(_TICK_S)
+        self._wake.clear()
+        self._check_returning()
+        self._expire()
 
     def _check_returning(self) -> None:
         with self._lock:
