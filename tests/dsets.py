@@ -281,6 +281,14 @@ def wait_no_workers(limit: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def wait_gone(pids, limit: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` lives, at most ``limit`` s; return those still alive."""
+    deadline = time.monotonic() + limit
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids_alive(pids)
+
+
 def pids_alive(pids) -> list[int]:
     alive = []
     for pid in pids:

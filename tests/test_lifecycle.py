@@ -28,11 +28,9 @@ def threads_back_to(before, limit=10.0):
     return len(dpex_threads())
 
 
+
 def wait_gone(pids, limit=10.0):
-    deadline = time.monotonic() + limit
-    while pids_alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return pids_alive(pids)
+    return dsets.wait_gone(pids, limit)
 
 
 def worker_pids(it):

@@ -17,7 +17,7 @@ import dsets
 import pytest
 import ray
 import torch
-from dsets import assert_same, pids_alive
+from dsets import assert_same
 
 from dpex import DpexDataLoader, PlacementWarning, WorkerStartupError
 
@@ -44,11 +44,9 @@ def worker_pids(it, limit=60.0):
                   if key in info)
 
 
+
 def wait_gone(pids, limit=5.0):
-    deadline = time.monotonic() + limit
-    while pids_alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return pids_alive(pids)
+    return dsets.wait_gone(pids, limit)
 
 
 def test_the_session_runs_on_this_machines_cores():

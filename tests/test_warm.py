@@ -21,11 +21,9 @@ from dpex.client._warm import POOL
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
 
+
 def wait_gone(pids, limit=20.0):
-    deadline = time.monotonic() + limit
-    while pids_alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return pids_alive(pids)
+    return dsets.wait_gone(pids, limit)
 
 
 def worker_pids(loader):
