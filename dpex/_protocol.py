@@ -39,7 +39,9 @@ Control plane (trainer ROUTER ⇄ worker DEALER): ``HELLO`` (worker → trainer,
 once, carries versions and placement), ``TASKS`` (a list of ``(seq, indices)``),
 ``RESUME`` (start epoch ``epoch`` on persistent workers), ``SKIP`` (a replacement
 worker passes over the first ``payload`` batches of its IterableDataset shard,
-which its predecessor already delivered), ``STOP`` and ``PING`` (sent every
+which its predecessor already delivered), ``RNG_QUERY`` (the worker's RNG states right after it computed batch ``payload``
+of epoch ``epoch``, for ``DpexDataLoader.state_dict()``; the worker answers
+``RNG_STATE`` with ``seq`` = that batch), ``STOP`` and ``PING`` (sent every
 ``PING_INTERVAL_S`` while the trainer lives; a worker whose session hears nothing
 for its session timeout ends that session, so a vanished trainer frees it).
 
@@ -75,7 +77,7 @@ __all__ = [
     "worker_identity",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 _HEADER = struct.Struct("<BB16sIqHII")
 HEADER_SIZE = _HEADER.size
 MAC_SIZE = 16
@@ -96,6 +98,8 @@ class Kind(enum.IntEnum):
     STOP = 13
     SKIP = 14
     PING = 15
+    RNG_QUERY = 16
+    RNG_STATE = 17
 
 
 # What a worker sends its trainer's data socket: batches (by transport), errors, ENDs.

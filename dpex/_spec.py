@@ -44,3 +44,9 @@ class WorkerSpec:
     # Served in a process of its own, forked for this session from the worker's
     # forkserver: a fleet's sessions, and every session on a warm (reused) worker.
     pooled: bool = False
+    # Resuming (DpexDataLoader.load_state_dict): the RNG states this worker had right
+    # after its last batch that the saved run yielded (set after worker_init_fn).
+    rng_state: Any = None
+    # How many recent batches' RNG states the worker keeps for state_dict() (its share
+    # of the prefetch window, and some); 0 keeps none.
+    rng_keep: int = 0

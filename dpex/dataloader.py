@@ -17,7 +17,8 @@ from dpex._config import DpexConfig
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 from dpex._stats import LoaderStats
-from dpex.errors import DpexDroppedWarning
+from dpex.client._resume import IndexView, ResumePlan, loader_state, plan_from, replaying
+from dpex.errors import DpexDroppedWarning, UnsupportedError
 
 __all__ = ["DpexDataLoader"]
 
@@ -34,6 +35,7 @@ _LIGHTNING_KWARGS = "__pl_saved_kwargs"
 # there (with its check and doc) and a parameter of the same name and default below;
 # tests/test_layout.py checks the two agree.
 _DPEX_ARGUMENTS = tuple(f.name for f in dataclasses.fields(DpexConfig))
+_ITERABLE = torch.utils.data.dataloader._DatasetKind.Iterable
 
 
 class DpexDataLoader(DataLoader[T_co]):
@@ -154,12 +156,17 @@ class DpexDataLoader(DataLoader[T_co]):
         # dataset, collate_fn and worker_init_fn are the same bytes reuses the object
         # the workers' nodes already hold instead of putting (and moving) it again.
         self._shipped: tuple[bytes, Any] | None = None
+        self._current: weakref.ref | None = None  # the newest iterator, either mode
+        # What load_state_dict() loaded and no iterator has taken yet (travels with the
+        # configuration: a spawned rank resumes from it).
+        self.__dict__.setdefault("_resume_plan", None)
 
     def __getstate__(self) -> dict:
         """The configuration only (for ``mp.spawn``, Lightning's ``ddp_spawn``): live
         iterators, their workers and counters stay with the process that made them."""
         state = dict(self.__dict__)
-        for name in ("_iterator", "_live_iterators", "_latest", "_final_stats", "_shipped"):
+        for name in ("_iterator", "_live_iterators", "_latest", "_final_stats", "_shipped",
+                     "_current"):
             state.pop(name, None)
         return state
 
@@ -260,7 +267,34 @@ class DpexDataLoader(DataLoader[T_co]):
             self._iterator = None
         return super().__iter__()
 
+    @property
+    def _index_sampler(self) -> Any:
+        """torch's index sampler (batch sampler, or sampler), seen through dpex's
+        :class:`~dpex.client._resume.IndexView`: the same indices, with each epoch's
+        position kept for ``state_dict()``."""
+        window = (self.prefetch_factor or 0) * self.num_workers
+        return IndexView(self._torch_index_sampler, self.__dict__.get("_resume_plan"),
+                         keep=window + 4)
+
+    @property
+    def _torch_index_sampler(self) -> Any:
+        return super()._index_sampler
+
     def _get_iterator(self) -> _BaseDataLoaderIter:
+        plan: ResumePlan | None = self.__dict__.get("_resume_plan")
+        generator = self.generator
+        iterator_rng = (plan.iterator_rng if plan is not None else
+                        generator.get_state() if generator is not None else torch.get_rng_state())
+        try:
+            with replaying(self, plan):
+                iterator = self._make_iterator()
+        finally:
+            self._resume_plan = None  # the new iterator's epoch holds it until it draws
+        iterator._dpex_iterator_rng = iterator_rng  # its base seed was drawn from this
+        self._current = weakref.ref(iterator)
+        return iterator
+
+    def _make_iterator(self) -> _BaseDataLoaderIter:
         if not self._distributed:
             return super()._get_iterator()
         from dpex.client._iterator import RayDataLoaderIter
@@ -272,6 +306,39 @@ class DpexDataLoader(DataLoader[T_co]):
         self._live_iterators.add(iterator)
         self._latest = weakref.ref(iterator)
         return iterator
+
+    def state_dict(self) -> dict:
+        """Where this loader stands, as plain data (``torch.save`` it; ``torch.load`` with
+        ``weights_only=True`` reads it back): the batches of the current epoch already
+        yielded and the generator states its order and seeds come from. Taken without
+        stopping the workers; batches prefetched but not yet yielded are not in it (a
+        resumed loader computes them again). Lightning and Accelerate checkpoints pick
+        it up. See docs/RESUME.md."""
+        iterator = self._iterator if self._iterator is not None else (
+            self._current() if self._current is not None else None)
+        state = loader_state(self, iterator, self.__dict__.get("_resume_plan"))
+        if state["mid_epoch"] and self._dataset_kind == _ITERABLE:
+            state["iterable"] = True
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume where ``state_dict()`` was taken: the next ``iter(loader)`` yields the
+        rest of that epoch, and later epochs follow, exactly as an uninterrupted run's
+        (for any ``num_workers``). Raises :class:`~dpex.ResumeStateError` for a state of
+        another dataset length, generator or dpex version."""
+        if state_dict.get("iterable") if isinstance(state_dict, dict) else False:
+            raise UnsupportedError(
+                "this state was taken in the middle of an epoch of an IterableDataset; "
+                "dpex resumes map-style datasets mid-epoch (an IterableDataset resumes at "
+                "an epoch boundary): take the checkpoint between epochs, or use a "
+                "map-style dataset")
+        plan = plan_from(self, state_dict)
+        persistent = self._iterator
+        if persistent is not None:  # its workers hold another position: a fresh iterator
+            self._iterator = None
+            if hasattr(persistent, "_shutdown_workers"):
+                persistent._shutdown_workers()
+        self._resume_plan = plan
 
     def stats(self) -> LoaderStats:
         """Counters of the newest iterator, running or finished (``{}`` if there is none):

@@ -16,6 +16,8 @@
      │                           thread did not finish in time
      ├── UnsupportedError        a combination dpex cannot stand in for (named, with what
      │                           to use instead)
+     ├── ResumeStateError        (also a ``ValueError``) ``load_state_dict()`` got a state
+     │                           this loader cannot resume from (what differs is named)
      └── ProtocolError           a message failed validation (counted and dropped, never raised
                                  to the training loop)
 
@@ -50,6 +52,7 @@ __all__ = [
     "EventLoopError",
     "DpexTimeoutError",
     "UnsupportedError",
+    "ResumeStateError",
     "ProtocolError",
     "DpexWarning",
     "PlacementWarning",
@@ -107,6 +110,11 @@ class DpexTimeoutError(DpexError, TimeoutError):
 
 class UnsupportedError(DpexError):
     """A combination dpex cannot stand in for; the message names what to use instead."""
+
+
+class ResumeStateError(DpexError, ValueError):
+    """``load_state_dict()`` got a state this loader cannot resume from; the message
+    says what differs."""
 
 
 class DpexWarning(UserWarning):

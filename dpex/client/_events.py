@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["WorkerHello", "WorkerExit", "LoopFailure"]
+__all__ = ["WorkerHello", "WorkerExit", "LoopFailure", "RngReply"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,17 @@ class WorkerExit:
     error: BaseException | None
     incarnation: int = 0
     at: float = field(default_factory=time.monotonic)  # when Ray reported it
+
+
+@dataclass(frozen=True)
+class RngReply:
+    """A worker's RNG states right after batch ``seq`` of ``epoch`` (None if it has
+    none: a replacement, or a batch out of its recent window)."""
+
+    worker_id: int
+    epoch: int
+    seq: int
+    state: dict | None
 
 
 @dataclass(frozen=True)

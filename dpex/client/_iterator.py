@@ -35,7 +35,7 @@ from dpex._shm import RingRef
 from dpex._spec import ShippedLoader, WorkerSpec
 from dpex._stats import LoaderStats, WorkerStats
 from dpex._version import local_versions
-from dpex.client._events import LoopFailure, WorkerExit, WorkerHello
+from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
 from dpex.client._scheduler import (
     EPOCH_END,
     Control,
@@ -50,6 +50,7 @@ from dpex.client._shipping import ship_loader
 from dpex.client._workers import FleetGroup, WorkerGroup, WorkerProcess
 from dpex.errors import (
     DpexError,
+    DpexTimeoutError,
     EventLoopError,
     IteratorClosedError,
     PlacementWarning,
@@ -68,6 +69,7 @@ _PLACEMENT_GRACE_S = 2.0
 _LOST_FLOOR_S = 10.0
 _LOST_FLOOR_ITERABLE_S = 60.0  # its worker is replaced, not just asked again: be patient
 _LOST_CHECK_S = 1.0  # how often the training thread looks for lost batches while it waits
+_RNG_QUERY_S = 30.0  # how long state_dict() waits for the workers' RNG states
 logger = logging.getLogger("dpex")
 _iterator_ids = itertools.count()
 
@@ -146,6 +148,18 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._loop = self._runtime.loop
         self._ring_bytes = config.shm_ring_bytes
         self._node_id = ray.get_runtime_context().get_node_id()
+        # Resuming (load_state_dict): each worker's RNG states where the saved run's
+        # stood (with the saved run's worker count only), and the worker batch 0 of the
+        # resumed epoch goes to (the one that had it in the saved run).
+        plan = loader.__dict__.get("_resume_plan")
+        rng = plan.worker_rng if plan is not None and plan.worker_rng_fits(
+            self._num_workers) else {}
+        self._resume_first_worker = (plan.skip % self._num_workers
+                                     if plan is not None and plan.armed else 0)
+        # The last batch each worker computed that the training loop took: (epoch, seq).
+        self._last_taken: dict[int, tuple[int, int]] = {}
+        self._rng_replies: dict[int, RngReply] = {}
+        window = self._prefetch_factor * self._num_workers
         try:
             self._runtime.open()
             self._specs = [
@@ -158,6 +172,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                     niceness=os.getpriority(os.PRIO_PROCESS, 0),
                     shared_seed=self._shared_seed, ring=self._new_ring(w),
                     pooled=config.worker_pool is not None,
+                    rng_state=rng.get(w), rng_keep=window + 2,
                 )
                 for w in range(self._num_workers)
             ]
@@ -189,7 +204,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._worker_shared_seed = self._shared_seed
         self._epoch_t0, self._epoch_end, self._wait_s = time.monotonic(), None, 0.0
         # The RESUME payload is the IterDataPipe seed of the new epoch (None otherwise).
-        self._apply(self._sched.start_epoch(self._next_index, resume=self._shared_seed))
+        first_worker, self._resume_first_worker = self._resume_first_worker, 0
+        self._apply(self._sched.start_epoch(self._next_index, resume=self._shared_seed,
+                                            first_worker=first_worker))
 
     def _apply(self, actions: list[Any]) -> None:
         """Carry out the scheduler's actions, in its order; the messages among them go
@@ -265,6 +282,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             if msg.kind is Kind.ERROR:
                 msg.payload.reraise()
             data = msg.payload
+            self._last_taken[msg.worker_id] = (msg.epoch, msg.seq)
             if self._pin_memory:
                 data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
             return data
@@ -282,6 +300,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._on_hello(event)
         elif isinstance(event, WorkerExit):
             self._on_exit(event)
+        elif isinstance(event, RngReply):
+            self._rng_replies[event.worker_id] = event
         elif isinstance(event, LoopFailure):
             self._shutdown_workers()
             if isinstance(event.error, DpexError):  # one of dpex's own: it says what
@@ -373,6 +393,30 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             f"restart(s), the most max_worker_restarts={self._sched.max_restarts} allows: "
             f"{type(cause).__name__}: {cause}"
         ) from exit_.error
+
+    def worker_rng_states(self) -> dict[int, dict | None] | None:
+        """Each worker's RNG states right after its last batch the training loop took
+        (for ``state_dict()``; a worker that computed none of them has its seeded
+        states, which a resumed worker gets anyway, and is left out). None for a
+        worker that no longer has them (it was replaced)."""
+        asked = dict(self._last_taken)
+        if self._runtime.closed:
+            return None  # its workers are gone: nobody to ask
+        if not asked:
+            return {}
+        self._rng_replies = {}
+        for w, (epoch, seq) in asked.items():
+            self._loop.call_soon(self._session.send, w, Kind.RNG_QUERY, epoch, seq)
+        deadline = time.monotonic() + _RNG_QUERY_S
+        while any(self._rng_replies.get(w) is None or (
+                self._rng_replies[w].epoch, self._rng_replies[w].seq) != asked[w]
+                for w in asked):
+            if time.monotonic() > deadline:
+                raise DpexTimeoutError(
+                    f"state_dict(): workers {sorted(set(asked) - set(self._rng_replies))} "
+                    f"did not report their RNG states within {_RNG_QUERY_S:g} s")
+            self._receive_one()
+        return {w: self._rng_replies[w].state for w in asked}
 
     def _start_replacement(self, w: int, incarnation: int) -> None:
         """Start a replacement with the same worker id (same seed, worker_init_fn run

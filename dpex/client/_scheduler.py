@@ -138,11 +138,13 @@ class EpochScheduler:
 
     # -- epochs and dispatch ---------------------------------------------------------
 
-    def start_epoch(self, draw: Callable[[], Any], resume: Any = None) -> list[Any]:
+    def start_epoch(self, draw: Callable[[], Any], resume: Any = None,
+                    first_worker: int = 0) -> list[Any]:
         """A new epoch whose index batches ``draw()`` returns (StopIteration at the
         end); from the second on, every worker is told to RESUME with ``resume``.
-        (``draw`` is passed, never kept: the scheduler holds no reference to the
-        iterator that owns it.)"""
+        Its first batch goes to ``first_worker`` (torch's turn starts at worker 0; a
+        resumed epoch's at the worker whose turn it was). (``draw`` is passed, never
+        kept: the scheduler holds no reference to the iterator that owns it.)"""
         self.epoch += 1
         self._sent = 0
         self.buffer.reset()
@@ -150,6 +152,8 @@ class EpochScheduler:
         self.losses.new_epoch()
         self.workers.new_epoch()
         self._cycle = itertools.cycle(range(self.num_workers))
+        for _ in range(first_worker % self.num_workers):
+            next(self._cycle)
         self._unsent = {}
         if self.epoch > 1:
             self._out += [Control(w, Kind.RESUME, self.epoch, resume)

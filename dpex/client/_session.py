@@ -25,7 +25,7 @@ from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
 from dpex._security import Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
 from dpex._transport import SOCKET, Receiver, RingTransport
-from dpex.client._events import LoopFailure, WorkerHello
+from dpex.client._events import LoopFailure, RngReply, WorkerHello
 from dpex.errors import ProtocolError
 
 __all__ = ["TrainerSession"]
@@ -171,8 +171,12 @@ class TrainerSession:
             except ProtocolError as exc:
                 self.rejected[exc.reason] += 1
                 continue
-            if msg.kind is not Kind.HELLO or identity != self._identity(msg.worker_id):
+            if msg.kind not in (Kind.HELLO, Kind.RNG_STATE) or (
+                    identity != self._identity(msg.worker_id)):
                 self.rejected["kind"] += 1
+                continue
+            if msg.kind is Kind.RNG_STATE:
+                self.handoff.put(RngReply(msg.worker_id, msg.epoch, msg.seq, msg.payload))
                 continue
             self._ready.add(msg.worker_id)
             for frames_out in self._pending.pop(msg.worker_id, []):

@@ -69,6 +69,7 @@ class _Session:
     def __init__(self) -> None:
         self.stop = asyncio.Event()
         self.epoch_floor = 0  # tasks of earlier epochs (abandoned) are skipped
+        self.runner: TaskRunner | None = None  # set by the compute thread once loaded
 
 
 class _ConnectionLog:
@@ -282,6 +283,7 @@ class DpexWorker:
         try:
             node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
             state = TaskRunner(spec, shipped, node, ring)
+            session.runner = state
             while not halt.is_set():
                 try:
                     item = inbox.get(timeout=0.5)
@@ -343,6 +345,11 @@ class DpexWorker:
                 inbox.put((_RESUME, msg.payload, msg.epoch))
             elif msg.kind is Kind.SKIP:
                 inbox.put((_SKIP, msg.payload, msg.epoch))
+            elif msg.kind is Kind.RNG_QUERY:
+                runner = session.runner
+                rng = runner.rng_after(msg.epoch, msg.payload) if runner is not None else None
+                await ctrl.send_multipart(spec.wire.encode(
+                    Kind.RNG_STATE, msg.epoch, msg.payload, spec.worker_id, rng))
             elif msg.kind is Kind.STOP:
                 session.stop.set()
 

@@ -7,7 +7,10 @@ becomes the frames of one data message (a batch, a wrapped error, or END).
 
 from __future__ import annotations
 
+import collections
 import random
+import sys
+import threading
 from typing import Any
 
 import cloudpickle
@@ -36,6 +39,29 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
         return seed
     np.random.seed(torch_worker._generate_state(base_seed, worker_id))
     return seed
+
+
+def capture_rng() -> dict:
+    """This process's torch, ``random`` and NumPy global RNG states, as plain data (a
+    checkpoint reads them back with ``torch.load(weights_only=True)``)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    np = sys.modules.get("numpy")  # torch seeds it only where it is installed
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (kind, keys.tobytes(), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    """Put back what :func:`capture_rng` took."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["random"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), pos,
+                             has_gauss, cached))
 
 
 def _load(shipped: bytes) -> ShippedLoader:
@@ -72,6 +98,11 @@ class TaskRunner:
         self.ring = ring
         self.transport: Transport = (RingTransport(sender=ring) if ring is not None
                                      else transport or SOCKET)
+        # The RNG states right after each recent task, by (epoch, seq): state_dict() asks
+        # for those of the last batch of this worker's that the training loop took.
+        self._rng_after: collections.OrderedDict[tuple[int, int], dict] = (
+            collections.OrderedDict())
+        self._rng_lock = threading.Lock()  # written here, read by the control thread
         self.loader: ShippedLoader = _load(shipped)
         torch.set_num_threads(1)
         self._setup(spec)
@@ -95,6 +126,8 @@ class TaskRunner:
             self.fetcher = self._new_fetcher()
         except Exception:
             self.init_error = ExceptionWrapper(where=self._where())
+        if spec.rng_state is not None:  # resumed: where the saved run's worker stood
+            restore_rng(spec.rng_state)
 
     def _seed_datapipe(self, shared_seed: int | None) -> None:
         if isinstance(self.dataset, IterDataPipe) and shared_seed is not None:
@@ -148,6 +181,22 @@ class TaskRunner:
 
     def run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         """Fetch and collate one batch; return the frames of its data message."""
+        frames = self._run_task(epoch, seq, indices)
+        if self.spec.rng_keep:
+            state = capture_rng()
+            with self._rng_lock:
+                self._rng_after[(epoch, seq)] = state
+                while len(self._rng_after) > self.spec.rng_keep:
+                    self._rng_after.popitem(last=False)
+        return frames
+
+    def rng_after(self, epoch: int, seq: int) -> dict | None:
+        """The RNG states right after task ``seq`` of ``epoch`` (None if this worker did
+        not run it, or not recently). Any thread."""
+        with self._rng_lock:
+            return self._rng_after.get((epoch, seq))
+
+    def _run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         wire, wid = self.spec.wire, self.spec.worker_id
         torch_worker._worker_info = self.info
         if self.init_error is not None:  # once, as torch; later tasks find no fetcher

@@ -1,0 +1,332 @@
+"""Exact mid-epoch resume: what ``DpexDataLoader.state_dict()`` records and how
+``load_state_dict()`` replays it, for torch's loader and dpex's alike.
+
+The sampler runs in the trainer, so the position in an epoch is the number of
+index batches already yielded, and the rest of the epoch is what the sampler
+draws after them. The loader sees its index sampler through :class:`IndexView`;
+each epoch's iteration of it is a :class:`Drawing`, which remembers the state of
+the generator the sampler draws from when the epoch began (the loader's
+``generator``, else torch's global one) and counts its draws. Resuming sets that
+generator back and draws the batches already yielded again, without fetching any
+data (or loads a stateful sampler's own ``state_dict``), so index batches are
+exactly an uninterrupted run's whatever ``num_workers`` is. The iterator's base
+seed (its workers' seeds) is drawn again from the state it was drawn from.
+
+The state is plain data (tensors, ints, tuples, dicts): ``torch.load(...,
+weights_only=True)`` reads it. Its keys are described in docs/RESUME.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dpex.errors import ResumeStateError
+
+__all__ = ["STATE_VERSION", "ResumePlan", "IndexView", "Drawing", "loader_state", "plan_from",
+           "replaying"]
+
+STATE_VERSION = 1
+_FORMAT = "dpex.DpexDataLoader"
+
+
+def stateful(sampler: Any) -> Any | None:
+    """The object whose own ``state_dict`` / ``load_state_dict`` give the position: the
+    index sampler itself, or the sampler inside torch's ``BatchSampler``."""
+    for candidate in (sampler, getattr(sampler, "sampler", None)):
+        if callable(getattr(candidate, "state_dict", None)) and callable(
+                getattr(candidate, "load_state_dict", None)):
+            return candidate
+    return None
+
+
+def sampler_generator(sampler: Any) -> torch.Generator | None:
+    """The generator an index sampler draws from: its own ``generator`` (torch's random
+    samplers; DataLoader gives them its ``generator``), or the one of the sampler
+    inside a batch sampler; None for torch's global RNG."""
+    for candidate in (sampler, getattr(sampler, "sampler", None)):
+        generator = getattr(candidate, "generator", None)
+        if isinstance(generator, torch.Generator):
+            return generator
+    return None
+
+
+def _rng_state(generator: torch.Generator | None) -> torch.Tensor:
+    return generator.get_state() if generator is not None else torch.get_rng_state()
+
+
+def _set_rng_state(generator: torch.Generator | None, state: torch.Tensor) -> None:
+    if generator is not None:
+        generator.set_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+@contextlib.contextmanager
+def _forked_global(state: torch.Tensor) -> Iterator[None]:
+    """torch's global RNG at ``state`` inside, and as it was before afterwards: dpex
+    replays the sampler's draws without moving the RNG the training loop uses."""
+    saved = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved)
+
+
+@dataclasses.dataclass
+class ResumePlan:
+    """What the next iterator of a loader replays (``load_state_dict``)."""
+
+    skip: int  # index batches of the epoch already yielded
+    sampler_rng: torch.Tensor  # the sampler's generator when the epoch's iter() began
+    draw_rng: torch.Tensor | None  # ... and at its first draw (lazy samplers draw then)
+    iterator_rng: torch.Tensor  # the base seed's generator when the iterator was made
+    sampler_state: Any = None  # a stateful sampler's own state at ``skip``
+    armed: bool = True  # until the epoch's first draw
+    # dpex's workers: each one's RNG states after its last batch the saved run took,
+    # by worker id (None: not known), and how many workers the saved run had.
+    worker_rng: dict[int, Any] | None = None
+    worker_rng_num_workers: int = 0
+
+    def worker_rng_fits(self, num_workers: int) -> bool:
+        """Whether the saved workers' RNG states apply: with another worker count each
+        worker computes other batches, so fresh seeds are as good as any."""
+        return self.worker_rng is not None and num_workers == self.worker_rng_num_workers
+
+
+class IndexView:
+    """The loader's index sampler as its iterators see it: the same indices, each
+    epoch a :class:`Drawing`. ``len`` is the sampler's."""
+
+    def __init__(self, sampler: Any, plan: ResumePlan | None, keep: int) -> None:
+        self.sampler, self.plan, self.keep = sampler, plan, keep
+        self.generator = sampler_generator(sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Drawing:
+        return Drawing(self.sampler, self.generator, self.plan, self.keep)
+
+
+class Drawing:
+    """One epoch's draws from the index sampler (torch's ``_sampler_iter``)."""
+
+    def __init__(self, sampler: Any, generator: torch.Generator | None,
+                 plan: ResumePlan | None, keep: int) -> None:
+        self.generator = generator
+        self.plan = plan if plan is not None and plan.armed else None
+        self.stateful = stateful(sampler)
+        if self.plan is not None and generator is not None:
+            # (also before iter(): a sampler may draw in __iter__ itself)
+            generator.set_state(self.plan.sampler_rng)
+        if self.plan is not None and self.plan.sampler_state is not None and self.stateful:
+            self.stateful.load_state_dict(self.plan.sampler_state)
+        self.iter_rng = (self.plan.sampler_rng if self.plan is not None
+                         else _rng_state(generator))
+        self.draw_rng: torch.Tensor | None = None  # taken at the first draw
+        self.position = 0  # index batches of this epoch drawn (skipped ones included)
+        self.skipped = 0  # of them, passed over when resuming (yielded by the saved run)
+        self.exhausted = False
+        # A stateful sampler's state before each recent draw, by position (a prefetch
+        # window's worth: the batches drawn and not yet yielded).
+        self.states: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self.keep = keep
+        self._it = iter(sampler)
+
+    def __iter__(self) -> Drawing:
+        return self
+
+    def __next__(self) -> Any:
+        if self.plan is None:
+            if self.draw_rng is None:
+                self.draw_rng = _rng_state(self.generator)
+            return self._draw()
+        plan, self.plan = self.plan, None
+        plan.armed = False  # taken by the epoch that draws first
+        self.draw_rng = plan.draw_rng if plan.draw_rng is not None else plan.sampler_rng
+        if self.generator is not None:
+            self.generator.set_state(self.draw_rng)
+            self._replay(plan)
+            return self._draw()
+        # With no generator the sampler draws from torch's global RNG: replay under a
+        # fork of it, up to and including the first new draw (torch's samplers draw
+        # their whole epoch's randomness then), so the training loop's RNG is not moved.
+        with _forked_global(self.draw_rng):
+            self._replay(plan)
+            return self._draw()
+
+    def _draw(self) -> Any:
+        if self.stateful is not None:
+            self.states[self.position] = self.stateful.state_dict()
+            while len(self.states) > self.keep:
+                self.states.popitem(last=False)
+        try:
+            index = next(self._it)
+        except StopIteration:
+            self.exhausted = True
+            raise
+        self.position += 1
+        return index
+
+    def _replay(self, plan: ResumePlan) -> None:
+        """Pass over the batches already yielded, without fetching anything."""
+        self.skipped = plan.skip
+        if plan.sampler_state is not None and self.stateful is not None:
+            self.position = plan.skip  # the sampler's own state put it there
+            return
+        for _ in range(plan.skip):
+            try:
+                next(self._it)
+            except StopIteration:
+                raise ResumeStateError(
+                    f"the state says {plan.skip} batches of this epoch were yielded, but "
+                    f"the sampler gives only {self.position}: the dataset, sampler or "
+                    "batch size differ from the run that saved it") from None
+            self.position += 1
+
+    def sampler_state_at(self, position: int) -> Any:
+        """A stateful sampler's state with ``position`` batches drawn (None if there is
+        no stateful sampler, or that position is out of the recent window)."""
+        if self.stateful is not None and position == self.position:
+            return self.stateful.state_dict()  # nothing drawn beyond it: as it is now
+        return self.states.get(position)
+
+
+def _source(generator: torch.Generator | None) -> str:
+    return "generator" if generator is not None else "global"
+
+
+def loader_state(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> dict:
+    """``loader.state_dict()``: where ``iterator`` (the loader's current one, or None)
+    stands in its epoch; ``pending``: a loaded state no iterator has taken yet."""
+    index_sampler = loader._torch_index_sampler
+    drawn_from = sampler_generator(index_sampler)
+    state: dict[str, Any] = {
+        "format": _FORMAT, "version": STATE_VERSION,
+        "rng_source": _source(drawn_from), "base_rng_source": _source(loader.generator),
+        "num_workers": loader.num_workers,
+        "length": _length(loader),
+        "sampler_epoch": getattr(loader.sampler, "epoch", None),
+        "mid_epoch": False, "yielded": 0,
+        # At an epoch boundary: what the next epoch draws its order and base seed from.
+        "sampler_rng": _rng_state(drawn_from),
+        "base_rng": loader.generator.get_state() if loader.generator is not None else None,
+        "sampler_draw_rng": None, "iterator_rng": None,
+        "worker_rng": None, "worker_rng_num_workers": 0,
+        "sampler_state": own.state_dict() if (own := stateful(index_sampler)) else None,
+    }
+    drawing = getattr(iterator, "_sampler_iter", None) if iterator is not None else None
+    if isinstance(drawing, Drawing) and drawing.plan is not None:
+        pending = drawing.plan  # an iterator made since, that has not drawn yet
+    if pending is not None:  # still where the loaded state left off
+        state.update(iterator_rng=pending.iterator_rng, worker_rng=pending.worker_rng,
+                     worker_rng_num_workers=pending.worker_rng_num_workers)
+        if pending.armed:
+            state.update(mid_epoch=True, yielded=pending.skip, sampler_rng=pending.sampler_rng,
+                         sampler_draw_rng=pending.draw_rng,
+                         sampler_state=pending.sampler_state)
+        return state
+    if not isinstance(drawing, Drawing):
+        return state  # no iterator: the next epoch starts anew
+    yielded = iterator._num_yielded + drawing.skipped
+    finished = (drawing.exhausted and yielded >= drawing.position) or (
+        state["length"] is not None and yielded >= state["length"])
+    persistent = loader.persistent_workers and loader.num_workers > 0
+    if finished and not persistent:
+        return state  # the next epoch is a new iterator, drawn from the generators now
+    state["iterator_rng"] = iterator._dpex_iterator_rng  # its base seed, drawn again
+    if callable(getattr(iterator, "worker_rng_states", None)):  # dpex's workers
+        state.update(worker_rng=iterator.worker_rng_states(),
+                     worker_rng_num_workers=loader.num_workers)
+    if finished:
+        return state  # a persistent iterator's next epoch: same base seed, sampler anew
+    state.update(mid_epoch=True, yielded=yielded, sampler_rng=drawing.iter_rng,
+                 # not drawn yet: the first draw will find the generator as it is now
+                 sampler_draw_rng=(drawing.draw_rng if drawing.draw_rng is not None
+                                   else state["sampler_rng"]),
+                 sampler_state=drawing.sampler_state_at(yielded))
+    return state
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _describe(source: str) -> str:
+    return "a generator" if source == "generator" else "torch's global RNG (no generator)"
+
+
+def plan_from(loader: Any, state: dict) -> ResumePlan | None:
+    """Check ``state`` against ``loader``; apply what takes effect at once (at an epoch
+    boundary, the generators' states); return what the next iterator replays."""
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise ResumeStateError(
+            "load_state_dict() takes what DpexDataLoader.state_dict() returned; got "
+            f"{type(state).__name__}" + (f" with keys {sorted(state)[:8]}"
+                                         if isinstance(state, dict) else ""))
+    if state.get("version") != STATE_VERSION:
+        raise ResumeStateError(
+            f"this loader state has version {state.get('version')!r}; this dpex reads "
+            f"version {STATE_VERSION}: resume with the dpex version that saved it")
+    length = _length(loader)
+    if state["length"] is not None and length is not None and state["length"] != length:
+        raise ResumeStateError(
+            f"the saved loader had {state['length']} batches per epoch, this one has "
+            f"{length}: the dataset, sampler, batch_size or drop_last differ, so the "
+            "saved position means nothing here")
+    drawn_from = sampler_generator(loader._torch_index_sampler)
+    for what, saved, ours in (("sampler", state["rng_source"], _source(drawn_from)),
+                              ("loader", state["base_rng_source"], _source(loader.generator))):
+        if saved != ours:
+            raise ResumeStateError(
+                f"the saved {what} drew from {_describe(saved)}, this one draws from "
+                f"{_describe(ours)}: pass the same generator= arguments as the run that "
+                "saved the state")
+    if not state["mid_epoch"]:  # the next epoch draws from the generators as they were
+        if drawn_from is not None:
+            drawn_from.set_state(state["sampler_rng"])
+        if loader.generator is not None and loader.generator is not drawn_from:
+            loader.generator.set_state(state["base_rng"])
+        own = stateful(loader._torch_index_sampler)
+        if own is not None and state["sampler_state"] is not None:
+            own.load_state_dict(state["sampler_state"])
+        if state["iterator_rng"] is None:
+            return None
+    return ResumePlan(skip=state["yielded"], sampler_rng=state["sampler_rng"],
+                      draw_rng=state["sampler_draw_rng"], iterator_rng=state["iterator_rng"],
+                      sampler_state=state["sampler_state"], armed=state["mid_epoch"],
+                      worker_rng=state["worker_rng"],
+                      worker_rng_num_workers=state["worker_rng_num_workers"])
+
+
+@contextlib.contextmanager
+def replaying(loader: Any, plan: ResumePlan | None) -> Iterator[None]:
+    """While an iterator is made: its base seed drawn from the plan's state (from a
+    copy of the loader's generator at that state, or under a fork of the global RNG)."""
+    if plan is None:
+        yield
+        return
+    generator = loader.generator
+    if generator is None:
+        with _forked_global(plan.iterator_rng):
+            yield
+        return
+    copy = torch.Generator()
+    copy.set_state(plan.iterator_rng)
+    loader.__dict__["generator"] = copy  # (DataLoader refuses setting attributes later)
+    try:
+        yield
+    finally:
+        loader.__dict__["generator"] = generator
+        if generator is not sampler_generator(loader._torch_index_sampler):
+            generator.set_state(copy.get_state())  # it serves base seeds alone: advance it
