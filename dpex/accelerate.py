@@ -81,4 +81,33 @@ def prepare_data_loader(accelerator: Any, loader: Any, **dpex_arguments: Any) ->
         dpex_arguments["distribute_mode"] = True
     prepared.base_dataloader = DpexDataLoader.from_loader(base, **dpex_arguments)
     prepared._is_accelerate_prepared = True
+    _carry_state(prepared)
     return prepared
+
+
+def _carry_state(prepared: Any) -> None:
+    """Make ``accelerator.save_state`` / ``load_state`` carry the loader's position.
+
+    Accelerate saves and loads a prepared loader's ``state_dict()`` only when it says
+    ``use_stateful_dataloader`` (torchdata's loader, which dpex's stands in for here).
+    Its adapter reads the base loader one batch ahead and takes the base loader's
+    state before every inner ``next()``; dpex keeps a cheap position there instead
+    (no round trip to the workers per batch) and builds the state when it is saved.
+    """
+    base: DpexDataLoader = prepared.base_dataloader
+    prepared.use_stateful_dataloader = True
+
+    def update() -> None:
+        prepared.__dict__["_dpex_position"] = base._resume_position()
+
+    def state_dict() -> dict:
+        return prepared.__dict__["_dpex_position"].state()
+
+    def load_state_dict(state: dict) -> None:
+        base.load_state_dict(state)
+        update()
+
+    prepared._update_state_dict = update
+    prepared.state_dict = state_dict
+    prepared.load_state_dict = load_state_dict
+    update()

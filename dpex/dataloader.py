@@ -17,7 +17,7 @@ from dpex._config import DpexConfig
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 from dpex._stats import LoaderStats
-from dpex.client._resume import IndexView, ResumePlan, loader_state, plan_from, replaying
+from dpex.client._resume import IndexView, Position, ResumePlan, capture, plan_from, replaying
 from dpex.errors import DpexDroppedWarning, UnsupportedError
 
 __all__ = ["DpexDataLoader"]
@@ -314,12 +314,17 @@ class DpexDataLoader(DataLoader[T_co]):
         stopping the workers; batches prefetched but not yet yielded are not in it (a
         resumed loader computes them again). Lightning and Accelerate checkpoints pick
         it up. See docs/RESUME.md."""
+        return self._resume_position().state()
+
+    def _resume_position(self) -> Position:
+        """Where this loader stands, cheaply: ``.state()`` is ``state_dict()`` (asking
+        the workers for their RNG states only then)."""
         iterator = self._iterator if self._iterator is not None else (
             self._current() if self._current is not None else None)
-        state = loader_state(self, iterator, self.__dict__.get("_resume_plan"))
-        if state["mid_epoch"] and self._dataset_kind == _ITERABLE:
-            state["iterable"] = True
-        return state
+        position = capture(self, iterator, self.__dict__.get("_resume_plan"))
+        if position.partial["mid_epoch"] and self._dataset_kind == _ITERABLE:
+            position.partial["iterable"] = True
+        return position
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume where ``state_dict()`` was taken: the next ``iter(loader)`` yields the

@@ -394,12 +394,16 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             f"{type(cause).__name__}: {cause}"
         ) from exit_.error
 
-    def worker_rng_states(self) -> dict[int, dict | None] | None:
-        """Each worker's RNG states right after its last batch the training loop took
-        (for ``state_dict()``; a worker that computed none of them has its seeded
-        states, which a resumed worker gets anyway, and is left out). None for a
-        worker that no longer has them (it was replaced)."""
-        asked = dict(self._last_taken)
+    def last_taken(self) -> dict[int, tuple[int, int]]:
+        """Each worker's last batch the training loop took: (epoch, seq)."""
+        return dict(self._last_taken)
+
+    def worker_rng_states(self, asked: dict[int, tuple[int, int]]
+                          ) -> dict[int, dict | None] | None:
+        """Each worker's RNG states right after the batch ``asked`` names (for
+        ``state_dict()``; a worker that computed none of the batches taken has its
+        seeded states, which a resumed worker gets anyway, and is left out). None for
+        a worker that no longer has them (it was replaced)."""
         if self._runtime.closed:
             return None  # its workers are gone: nobody to ask
         if not asked:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,8 +29,8 @@ import torch
 
 from dpex.errors import ResumeStateError
 
-__all__ = ["STATE_VERSION", "ResumePlan", "IndexView", "Drawing", "loader_state", "plan_from",
-           "replaying"]
+__all__ = ["STATE_VERSION", "ResumePlan", "IndexView", "Drawing", "Position", "capture",
+           "plan_from", "replaying"]
 
 STATE_VERSION = 1
 _FORMAT = "dpex.DpexDataLoader"
@@ -203,9 +204,28 @@ def _source(generator: torch.Generator | None) -> str:
     return "generator" if generator is not None else "global"
 
 
-def loader_state(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> dict:
-    """``loader.state_dict()``: where ``iterator`` (the loader's current one, or None)
-    stands in its epoch; ``pending``: a loaded state no iterator has taken yet."""
+@dataclasses.dataclass
+class Position:
+    """Where a loader stood, taken cheaply (a framework may take one per batch); the
+    dpex workers' RNG states are asked for only by :meth:`state`."""
+
+    partial: dict  # the state, but for the workers' RNG states
+    iterator: weakref.ref | None = None  # the dpex iterator to ask them of (not kept)
+    asked: dict[int, tuple[int, int]] | None = None  # worker -> its last batch taken
+
+    def state(self) -> dict:
+        """The full state (``state_dict()``): plain data. (An iterator gone since has
+        no workers to ask: its resumed workers start from their seeds.)"""
+        state = dict(self.partial)
+        iterator = self.iterator() if self.iterator is not None else None
+        if self.asked is not None and iterator is not None:
+            state["worker_rng"] = iterator.worker_rng_states(self.asked)
+        return state
+
+
+def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Position:
+    """Where ``iterator`` (the loader's current one, or None) stands in its epoch;
+    ``pending``: a loaded state no iterator has taken yet."""
     index_sampler = loader._torch_index_sampler
     drawn_from = sampler_generator(index_sampler)
     state: dict[str, Any] = {
@@ -232,27 +252,28 @@ def loader_state(loader: Any, iterator: Any | None, pending: ResumePlan | None) 
             state.update(mid_epoch=True, yielded=pending.skip, sampler_rng=pending.sampler_rng,
                          sampler_draw_rng=pending.draw_rng,
                          sampler_state=pending.sampler_state)
-        return state
+        return Position(state)
     if not isinstance(drawing, Drawing):
-        return state  # no iterator: the next epoch starts anew
+        return Position(state)  # no iterator: the next epoch starts anew
     yielded = iterator._num_yielded + drawing.skipped
     finished = (drawing.exhausted and yielded >= drawing.position) or (
         state["length"] is not None and yielded >= state["length"])
     persistent = loader.persistent_workers and loader.num_workers > 0
     if finished and not persistent:
-        return state  # the next epoch is a new iterator, drawn from the generators now
+        return Position(state)  # the next epoch: a new iterator, from the generators now
     state["iterator_rng"] = iterator._dpex_iterator_rng  # its base seed, drawn again
+    position = Position(state)
     if callable(getattr(iterator, "worker_rng_states", None)):  # dpex's workers
-        state.update(worker_rng=iterator.worker_rng_states(),
-                     worker_rng_num_workers=loader.num_workers)
+        state["worker_rng_num_workers"] = loader.num_workers
+        position.iterator, position.asked = weakref.ref(iterator), iterator.last_taken()
     if finished:
-        return state  # a persistent iterator's next epoch: same base seed, sampler anew
+        return position  # a persistent iterator's next epoch: same base seed, sampler anew
     state.update(mid_epoch=True, yielded=yielded, sampler_rng=drawing.iter_rng,
                  # not drawn yet: the first draw will find the generator as it is now
                  sampler_draw_rng=(drawing.draw_rng if drawing.draw_rng is not None
                                    else state["sampler_rng"]),
                  sampler_state=drawing.sampler_state_at(yielded))
-    return state
+    return position
 
 
 def _length(loader: Any) -> int | None:
