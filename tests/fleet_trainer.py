@@ -7,7 +7,9 @@ link down mid-epoch (tests/test_multihost.py). --kill-after N kills the
 process of this loader's worker 1 (--kill: the fleet worker's, or its session's)
 after N batches of the first epoch; --stall
 stops reading after 3 batches and sleeps (to be killed); --hang reads a dataset
-that hangs in its workers after 2 batches (prints HUNG, to be killed).
+that hangs in its workers after 2 batches (prints HUNG, to be killed);
+--resume-at N saves the loader's state after N batches of the first epoch and goes
+on with a new loader that loads it (a preempted trainer, resumed).
 The JSON line also gives the longest wait for one batch.
 """
 
@@ -43,6 +45,7 @@ def main() -> None:
                    help="what --kill-after kills: the fleet worker, or only the session's process")
     p.add_argument("--stall", action="store_true")
     p.add_argument("--hang", action="store_true")
+    p.add_argument("--resume-at", type=int, default=None)
     args = p.parse_args()
     if args.hang:
         hang(args)
@@ -53,16 +56,26 @@ def main() -> None:
     kw = {"batch_size": 4, "num_workers": 2, "shuffle": True, "persistent_workers": True}
     expected = dsets.epochs(dsets.torch_loader(dataset, generator=torch.Generator().manual_seed(7),
                                                **kw), args.epochs)
-    loader = DpexDataLoader(dataset, generator=torch.Generator().manual_seed(7),
-                            distribute_mode=True, head_address=args.address,
-                            worker_pool=args.fleet, **kw)
+
+    def make() -> DpexDataLoader:
+        return DpexDataLoader(dataset, generator=torch.Generator().manual_seed(7),
+                              distribute_mode=True, head_address=args.address,
+                              worker_pool=args.fleet, **kw)
+
+    loader = make()
     epoch_s, longest_wait = [], 0.0
-    with loader:
+    try:
         for epoch, want in enumerate(expected):
             got, t0 = [], time.monotonic()
             last = t0
             for batch in loader:
                 got.append(batch)
+                if epoch == 0 and len(got) == args.resume_at:
+                    state = loader.state_dict()
+                    loader.close()
+                    loader = make()
+                    loader.load_state_dict(state)
+                    break
                 longest_wait, last = max(longest_wait, time.monotonic() - last), time.monotonic()
                 if args.stall and len(got) == 3:
                     print("STALLED", json.dumps(loader.stats()["workers"]), flush=True)
@@ -75,11 +88,15 @@ def main() -> None:
                     print("CUT", flush=True)
                 if epoch == 0 and len(got) == args.kill_after:
                     os.kill(loader.stats()["workers"][1][args.kill], signal.SIGKILL)
+            if epoch == 0 and args.resume_at:
+                got += list(loader)
             epoch_s.append(time.monotonic() - t0)
             assert len(got) == len(want), (len(got), len(want))
             for g, w in zip(got, want, strict=True):
                 dsets.assert_same(g, w)
         stats = loader.stats()
+    finally:
+        loader.close()
     print(json.dumps({"ok": True, "stats": stats, "epoch_s": epoch_s,
                       "longest_wait_s": longest_wait}), flush=True)
 

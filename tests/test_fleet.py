@@ -75,6 +75,13 @@ def test_two_trainers_at_once_get_exactly_torchs_batches(cluster, fleet):
     assert all(r[4] == "0" for r in rows)  # no session left open
 
 
+def test_a_trainer_resumes_mid_epoch_on_the_fleet_exactly(cluster, fleet):
+    # SeedProbe: every batch carries its worker's RNG draws, equal to torch's only if the
+    # resumed sessions start where the saved ones stood.
+    out = result(trainer(cluster, fleet, "--resume-at", "2"))
+    assert out["ok"] and out["stats"]["recoveries"] == []
+
+
 def test_a_killed_fleet_worker_is_replaced_and_the_epoch_is_exact(cluster, fleet):
     out = result(trainer(cluster, fleet, "--dataset", "squares", "--kill-after", "5"))
     assert [r["worker"] for r in out["stats"]["recoveries"]] == [1]
