@@ -11,7 +11,14 @@ from dpex._protocol import Wire
 from dpex._security import ClientKeys
 from dpex._shm import RingRef
 
-__all__ = ["ShippedLoader", "WorkerSpec"]
+__all__ = ["ShippedLoader", "WorkerSpec", "stateful_dataset"]
+
+
+def stateful_dataset(dataset: Any) -> bool:
+    """Whether an IterableDataset keeps its own position (``state_dict`` and
+    ``load_state_dict``, torchdata's convention: load, then ``iter()`` goes on)."""
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 from dpex._stats import LoaderStats
 from dpex.client._resume import IndexView, Position, ResumePlan, capture, plan_from, replaying
-from dpex.errors import DpexDroppedWarning, UnsupportedError
+from dpex.errors import DpexDroppedWarning
 
 __all__ = ["DpexDataLoader"]
 
@@ -35,7 +35,6 @@ _LIGHTNING_KWARGS = "__pl_saved_kwargs"
 # there (with its check and doc) and a parameter of the same name and default below;
 # tests/test_layout.py checks the two agree.
 _DPEX_ARGUMENTS = tuple(f.name for f in dataclasses.fields(DpexConfig))
-_ITERABLE = torch.utils.data.dataloader._DatasetKind.Iterable
 
 
 class DpexDataLoader(DataLoader[T_co]):
@@ -321,22 +320,13 @@ class DpexDataLoader(DataLoader[T_co]):
         the workers for their RNG states only then)."""
         iterator = self._iterator if self._iterator is not None else (
             self._current() if self._current is not None else None)
-        position = capture(self, iterator, self.__dict__.get("_resume_plan"))
-        if position.partial["mid_epoch"] and self._dataset_kind == _ITERABLE:
-            position.partial["iterable"] = True
-        return position
+        return capture(self, iterator, self.__dict__.get("_resume_plan"))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume where ``state_dict()`` was taken: the next ``iter(loader)`` yields the
         rest of that epoch, and later epochs follow, exactly as an uninterrupted run's
         (for any ``num_workers``). Raises :class:`~dpex.ResumeStateError` for a state of
         another dataset length, generator or dpex version."""
-        if state_dict.get("iterable") if isinstance(state_dict, dict) else False:
-            raise UnsupportedError(
-                "this state was taken in the middle of an epoch of an IterableDataset; "
-                "dpex resumes map-style datasets mid-epoch (an IterableDataset resumes at "
-                "an epoch boundary): take the checkpoint between epochs, or use a "
-                "map-style dataset")
         plan = plan_from(self, state_dict)
         persistent = self._iterator
         if persistent is not None:  # its workers hold another position: a fresh iterator

@@ -402,3 +402,38 @@ def lossy(worker_id: int, victim: int, seqs: tuple[int, ...], once: str = "") ->
         return send(self, frames, *args, **kwargs)
 
     zmq.Socket.send_multipart = send_multipart
+
+
+class NoisyShards(ShardedRange):
+    """ShardedRange plus one draw from the worker's torch RNG per item: equal to torch's
+    only if each worker's RNG stood where torch's did."""
+
+    def __iter__(self):
+        for x in super().__iter__():
+            yield torch.cat([x, torch.randint(0, 1 << 20, (1,))])
+
+
+class PositionedShards(ShardedRange):
+    """An IterableDataset that keeps its own position (``state_dict`` /
+    ``load_state_dict``, torchdata's convention): a resumed worker starts where its
+    saved shard stood, drawing nothing for the items before; one torch draw per item."""
+
+    def __init__(self, n: int = 37, extra_for_worker0: int = 5) -> None:
+        super().__init__(n, extra_for_worker0, max_sleep=0.0)
+        self.start = self.pos = 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        items = list(range(wid, self.n, nw)) + (
+            [1000 + j for j in range(self.extra)] if wid == 0 else [])
+        start, self.start = self.start, 0
+        for k in range(start, len(items)):
+            self.pos = k + 1  # the next to yield, while suspended after yielding k
+            yield torch.tensor([items[k], wid, int(torch.randint(0, 1 << 20, ()))])
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.start = state["pos"]

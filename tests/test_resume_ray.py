@@ -9,7 +9,7 @@ import pytest
 import torch
 from dsets import assert_same
 
-from dpex import DpexDataLoader
+from dpex import DpexDataLoader, ResumeStateError
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
@@ -115,3 +115,70 @@ def test_prefetched_batches_not_yet_taken_are_computed_again_not_lost():
     resumed.load_state_dict(state)
     assert_same(want, part + list(resumed), "epoch")
     resumed.close()
+
+
+def shards_loader(cls, dataset, persistent, num_workers=2, **kwargs):
+    return cls(dataset, batch_size=3, num_workers=num_workers, persistent_workers=persistent,
+               generator=torch.Generator().manual_seed(3), **kwargs)
+
+
+@pytest.mark.parametrize("dataset", ["NoisyShards", "PositionedShards"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@pytest.mark.parametrize("cut_epoch,cut", [(0, 2), (1, 9)])
+def test_an_iterable_dataset_resumes_mid_epoch_exactly(dataset, persistent, cut_epoch, cut):
+    # Worker 1's shard (18 items, 6 batches) ends before worker 0's (24 items, 8 batches):
+    # batch 9 of epoch 2 comes after worker 1's END was taken.
+    make = getattr(dsets, dataset)
+    ref = shards_loader(dsets.torch_loader, make(), persistent)
+    want = [list(ref) for _ in range(2)]
+    got, _ = interrupted(lambda: shards_loader(DpexDataLoader, make(), persistent,
+                                               distribute_mode=True), 2, cut_epoch, cut)
+    assert_same(want, got, "epochs")
+
+
+def test_a_stateful_iterable_datasets_own_state_travels_in_the_checkpoint():
+    loader = shards_loader(DpexDataLoader, dsets.PositionedShards(), False, distribute_mode=True)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = round_trip(loader.state_dict())
+    loader.close()
+    shards = state["iterable"]
+    assert shards["stateful"] and sum(w["taken"] for w in shards["workers"].values()) == 5
+    # Each worker's dataset position: the items of the batches it delivered that were
+    # taken (3 per batch), not those it had prefetched.
+    assert {w: s["dataset"]["pos"] for w, s in state["worker_rng"].items()} == {
+        w: 3 * shards["workers"][w]["taken"] for w in (0, 1)}
+
+
+def test_an_iterable_state_refuses_another_worker_count_by_name():
+    loader = shards_loader(DpexDataLoader, dsets.NoisyShards(), False, distribute_mode=True)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    loader.close()
+    other = shards_loader(DpexDataLoader, dsets.NoisyShards(), False, num_workers=3,
+                          distribute_mode=True)
+    with pytest.raises(ResumeStateError, match="num_workers=2"):
+        other.load_state_dict(state)
+
+
+def test_a_worker_whose_shard_ended_before_the_state_gets_no_task_after_it():
+    # Worker 0 has 10 batches, worker 1 has 6: after 14 batches worker 1's END was taken.
+    def make(cls, **kwargs):
+        return shards_loader(cls, dsets.NoisyShards(37, 10), False, **kwargs)
+
+    want = list(make(dsets.torch_loader))
+    loader = make(DpexDataLoader, distribute_mode=True)
+    it = iter(loader)
+    got = [next(it) for _ in range(14)]
+    state = round_trip(loader.state_dict())
+    loader.close()
+    assert state["iterable"]["workers"][1] == {"taken": 6, "ended": True}
+    resumed = make(DpexDataLoader, distribute_mode=True)
+    resumed.load_state_dict(state)
+    got += list(resumed)
+    # Worker 1 is not asked to pass over its whole shard again to find its end.
+    assert resumed.stats()["workers"][1]["batches"] == 0
+    resumed.close()
+    assert_same(want, got, "epoch")

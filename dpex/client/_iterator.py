@@ -32,7 +32,7 @@ from dpex._protocol import Kind, Wire
 from dpex._ray_connect import connect_ray
 from dpex._reaper import finalizer_for
 from dpex._shm import RingRef
-from dpex._spec import ShippedLoader, WorkerSpec
+from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._stats import LoaderStats, WorkerStats
 from dpex._version import local_versions
 from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
@@ -150,14 +150,25 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._node_id = ray.get_runtime_context().get_node_id()
         # Resuming (load_state_dict): each worker's RNG states where the saved run's
         # stood (with the saved run's worker count only), and the worker batch 0 of the
-        # resumed epoch goes to (the one that had it in the saved run).
+        # resumed epoch goes to (the one that had it in the saved run); an
+        # IterableDataset's workers also pass over what they delivered before (or load
+        # their dataset's own state), and those whose shards ended stay ended.
         plan = loader.__dict__.get("_resume_plan")
         rng = plan.worker_rng if plan is not None and plan.worker_rng_fits(
             self._num_workers) else {}
         self._resume_first_worker = (plan.skip % self._num_workers
                                      if plan is not None and plan.armed else 0)
-        # The last batch each worker computed that the training loop took: (epoch, seq).
+        shards = plan.iterable if plan is not None and plan.armed else None
+        self._resume_shards = shards
+        if shards is not None:
+            self._resume_first_worker = shards["next_worker"]
+        self._stateful_dataset = (self._dataset_kind == _DatasetKind.Iterable
+                                  and stateful_dataset(self._dataset))
+        # The last batch each worker computed that the training loop took: (epoch, seq);
+        # this epoch's batches taken per worker, and the workers whose END was taken.
         self._last_taken: dict[int, tuple[int, int]] = {}
+        self._taken_count: dict[int, int] = {}
+        self._ended: set[int] = set()
         self._rng_replies: dict[int, RngReply] = {}
         window = self._prefetch_factor * self._num_workers
         try:
@@ -205,8 +216,14 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._epoch_t0, self._epoch_end, self._wait_s = time.monotonic(), None, 0.0
         # The RESUME payload is the IterDataPipe seed of the new epoch (None otherwise).
         first_worker, self._resume_first_worker = self._resume_first_worker, 0
-        self._apply(self._sched.start_epoch(self._next_index, resume=self._shared_seed,
-                                            first_worker=first_worker))
+        shards, self._resume_shards = self._resume_shards, None
+        taken = {int(w): s["taken"] for w, s in shards["workers"].items()} if shards else {}
+        self._taken_count = dict(taken)
+        self._ended = {int(w) for w, s in shards["workers"].items() if s["ended"]} if shards else set()
+        self._apply(self._sched.start_epoch(
+            self._next_index, resume=self._shared_seed, first_worker=first_worker,
+            ended=frozenset(self._ended),
+            skips={} if self._stateful_dataset else taken))
 
     def _apply(self, actions: list[Any]) -> None:
         """Carry out the scheduler's actions, in its order; the messages among them go
@@ -277,12 +294,15 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 finally:
                     self._wait_s += time.monotonic() - waited
                 continue
+            w = msg.worker_id
             if msg.kind is Kind.END:
+                self._ended.add(w)
                 continue
+            self._last_taken[w] = (msg.epoch, msg.seq)
+            self._taken_count[w] = self._taken_count.get(w, 0) + 1
             if msg.kind is Kind.ERROR:
                 msg.payload.reraise()
             data = msg.payload
-            self._last_taken[msg.worker_id] = (msg.epoch, msg.seq)
             if self._pin_memory:
                 data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
             return data
@@ -394,9 +414,33 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             f"{type(cause).__name__}: {cause}"
         ) from exit_.error
 
-    def last_taken(self) -> dict[int, tuple[int, int]]:
-        """Each worker's last batch the training loop took: (epoch, seq)."""
-        return dict(self._last_taken)
+    def resume_points(self, mid_epoch: bool) -> dict[int, tuple[int, int]]:
+        """Which RNG states (and stateful IterableDataset states) ``state_dict()`` asks
+        each worker for: right after its last batch the training loop took, (epoch,
+        seq). In the middle of an IterableDataset's epoch a worker resumes by passing
+        over what it delivered, from its state when the epoch began (seq -1), unless its
+        dataset keeps its own position."""
+        if not mid_epoch or self._dataset_kind != _DatasetKind.Iterable:
+            return dict(self._last_taken)
+        epoch = self._sched.epoch
+        start = {w: (epoch, -1) for w in range(self._num_workers)}
+        if not self._stateful_dataset:
+            return start
+        return {**start, **{w: at for w, at in self._last_taken.items() if at[0] == epoch}}
+
+    def shard_positions(self) -> dict:
+        """An IterableDataset's position mid-epoch (for ``state_dict()``): per worker the
+        batches of this epoch taken and whether its shard ended; the worker whose turn
+        the next slot is; whether the dataset keeps its own position."""
+        owner = self._sched.ledger.worker_of(self._sched.buffer.next_seq)
+        return {"workers": {w: {"taken": self._taken_count.get(w, 0), "ended": w in self._ended}
+                            for w in range(self._num_workers)},
+                "next_worker": owner if owner is not None else 0,
+                "stateful": self._stateful_dataset}
+
+    @property
+    def epoch_ended(self) -> bool:
+        return self._epoch_end is not None
 
     def worker_rng_states(self, asked: dict[int, tuple[int, int]]
                           ) -> dict[int, dict | None] | None:

@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
-from dpex.errors import ResumeStateError
+from dpex.errors import ResumeStateError, UnsupportedError
 
 __all__ = ["STATE_VERSION", "ResumePlan", "IndexView", "Drawing", "Position", "capture",
            "plan_from", "replaying"]
 
 STATE_VERSION = 1
 _FORMAT = "dpex.DpexDataLoader"
+_ITERABLE = torch.utils.data.dataloader._DatasetKind.Iterable
 
 
 def stateful(sampler: Any) -> Any | None:
@@ -94,6 +95,7 @@ class ResumePlan:
     # by worker id (None: not known), and how many workers the saved run had.
     worker_rng: dict[int, Any] | None = None
     worker_rng_num_workers: int = 0
+    iterable: dict | None = None  # an IterableDataset's shard positions (mid-epoch)
 
     def worker_rng_fits(self, num_workers: int) -> bool:
         """Whether the saved workers' RNG states apply: with another worker count each
@@ -239,7 +241,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         "sampler_rng": _rng_state(drawn_from),
         "base_rng": loader.generator.get_state() if loader.generator is not None else None,
         "sampler_draw_rng": None, "iterator_rng": None,
-        "worker_rng": None, "worker_rng_num_workers": 0,
+        "worker_rng": None, "worker_rng_num_workers": 0, "iterable": None,
         "sampler_state": own.state_dict() if (own := stateful(index_sampler)) else None,
     }
     drawing = getattr(iterator, "_sampler_iter", None) if iterator is not None else None
@@ -247,7 +249,8 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         pending = drawing.plan  # an iterator made since, that has not drawn yet
     if pending is not None:  # still where the loaded state left off
         state.update(iterator_rng=pending.iterator_rng, worker_rng=pending.worker_rng,
-                     worker_rng_num_workers=pending.worker_rng_num_workers)
+                     worker_rng_num_workers=pending.worker_rng_num_workers,
+                     iterable=pending.iterable if pending.armed else None)
         if pending.armed:
             state.update(mid_epoch=True, yielded=pending.skip, sampler_rng=pending.sampler_rng,
                          sampler_draw_rng=pending.draw_rng,
@@ -256,18 +259,24 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     if not isinstance(drawing, Drawing):
         return Position(state)  # no iterator: the next epoch starts anew
     yielded = iterator._num_yielded + drawing.skipped
-    finished = (drawing.exhausted and yielded >= drawing.position) or (
-        state["length"] is not None and yielded >= state["length"])
+    iterable = loader._dataset_kind == _ITERABLE
+    finished = (drawing.exhausted and yielded >= drawing.position) or getattr(
+        iterator, "epoch_ended", False) or (  # (an IterableDataset's length is a hint)
+        not iterable and state["length"] is not None and yielded >= state["length"])
     persistent = loader.persistent_workers and loader.num_workers > 0
     if finished and not persistent:
         return Position(state)  # the next epoch: a new iterator, from the generators now
     state["iterator_rng"] = iterator._dpex_iterator_rng  # its base seed, drawn again
     position = Position(state)
-    if callable(getattr(iterator, "worker_rng_states", None)):  # dpex's workers
+    dpex_workers = callable(getattr(iterator, "worker_rng_states", None))
+    if dpex_workers:
         state["worker_rng_num_workers"] = loader.num_workers
-        position.iterator, position.asked = weakref.ref(iterator), iterator.last_taken()
+        position.iterator = weakref.ref(iterator)
+        position.asked = iterator.resume_points(mid_epoch=not finished)
     if finished:
         return position  # a persistent iterator's next epoch: same base seed, sampler anew
+    if iterable:  # the position is in the workers' shards; torch's workers cannot tell it
+        state["iterable"] = iterator.shard_positions() if dpex_workers else {"unknown": True}
     state.update(mid_epoch=True, yielded=yielded, sampler_rng=drawing.iter_rng,
                  # not drawn yet: the first draw will find the generator as it is now
                  sampler_draw_rng=(drawing.draw_rng if drawing.draw_rng is not None
@@ -313,6 +322,21 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
                 f"the saved {what} drew from {_describe(saved)}, this one draws from "
                 f"{_describe(ours)}: pass the same generator= arguments as the run that "
                 "saved the state")
+    shards = state["iterable"]
+    if state["mid_epoch"] and shards is not None:
+        if shards.get("unknown") or not loader._distributed:
+            by = " by torch's own loader" if shards.get("unknown") else ""
+            raise UnsupportedError(
+                f"this state was taken in the middle of an epoch of an IterableDataset{by}; "
+                "such a position lives in dpex's workers (each one's shard): take it and "
+                "resume it with distribute_mode=True and num_workers > 0, or take the "
+                "checkpoint between epochs")
+        if loader.num_workers != state["worker_rng_num_workers"]:
+            raise ResumeStateError(
+                f"this state was taken in the middle of an epoch of an IterableDataset with "
+                f"num_workers={state['worker_rng_num_workers']}; its shards are per worker, "
+                f"so it resumes with that many workers only (this loader has "
+                f"{loader.num_workers})")
     if not state["mid_epoch"]:  # the next epoch draws from the generators as they were
         if drawn_from is not None:
             drawn_from.set_state(state["sampler_rng"])
@@ -327,7 +351,8 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
                       draw_rng=state["sampler_draw_rng"], iterator_rng=state["iterator_rng"],
                       sampler_state=state["sampler_state"], armed=state["mid_epoch"],
                       worker_rng=state["worker_rng"],
-                      worker_rng_num_workers=state["worker_rng_num_workers"])
+                      worker_rng_num_workers=state["worker_rng_num_workers"],
+                      iterable=state["iterable"])
 
 
 @contextlib.contextmanager

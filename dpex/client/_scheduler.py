@@ -126,6 +126,7 @@ class EpochScheduler:
         # the training loop is about to wait for the one slot that is unsent.
         self.group = max(1, self.capacity // 2)
         self._unsent: dict[int, list[tuple[int, Any]]] = {}
+        self._skipped: dict[int, int] = {}  # a resumed epoch's batches delivered before
 
     @property
     def in_flight(self) -> int:
@@ -139,11 +140,14 @@ class EpochScheduler:
     # -- epochs and dispatch ---------------------------------------------------------
 
     def start_epoch(self, draw: Callable[[], Any], resume: Any = None,
-                    first_worker: int = 0) -> list[Any]:
+                    first_worker: int = 0, ended: frozenset[int] = frozenset(),
+                    skips: dict[int, int] | None = None) -> list[Any]:
         """A new epoch whose index batches ``draw()`` returns (StopIteration at the
         end); from the second on, every worker is told to RESUME with ``resume``.
         Its first batch goes to ``first_worker`` (torch's turn starts at worker 0; a
-        resumed epoch's at the worker whose turn it was). (``draw`` is passed, never
+        resumed epoch's at the worker whose turn it was). A resumed IterableDataset
+        epoch names the workers whose shards ``ended`` already and how many batches
+        each worker ``skips`` (it delivered them before). (``draw`` is passed, never
         kept: the scheduler holds no reference to the iterator that owns it.)"""
         self.epoch += 1
         self._sent = 0
@@ -158,6 +162,12 @@ class EpochScheduler:
         if self.epoch > 1:
             self._out += [Control(w, Kind.RESUME, self.epoch, resume)
                           for w in range(self.num_workers)]
+        for w in ended:
+            rec = self.workers[w]
+            rec.active, rec.ended_seq = False, -1
+        self._skipped = dict(skips or {})
+        self._out += [Control(w, Kind.SKIP, self.epoch, n) for w, n in self._skipped.items()
+                      if n]
         self._dispatch(draw, self.capacity)
         self._flush()
         return self._actions()
@@ -338,6 +348,7 @@ class EpochScheduler:
             first = min((seq for seq, _ in tasks), default=None)
             at = next((i for i, (seq, _) in enumerate(rec.tasks) if seq == first),
                       len(rec.tasks))
+            at += self._skipped.get(w, 0)  # (a resumed epoch: delivered before it too)
             if at:
                 self._out.append(Control(w, Kind.SKIP, self.epoch, at))
             tasks = rec.tasks[at:]

@@ -22,7 +22,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex._protocol import Kind, ProtocolError
 from dpex._shm import WorkerRing, collating_into
-from dpex._spec import ShippedLoader, WorkerSpec
+from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
 
@@ -123,11 +123,17 @@ class TaskRunner:
         try:
             if self.loader.worker_init_fn is not None:
                 self.loader.worker_init_fn(spec.worker_id)
+            saved = spec.rng_state or {}
+            if "dataset" in saved:  # resumed: a stateful IterableDataset's own position
+                self.dataset.load_state_dict(saved["dataset"])
             self.fetcher = self._new_fetcher()
         except Exception:
             self.init_error = ExceptionWrapper(where=self._where())
         if spec.rng_state is not None:  # resumed: where the saved run's worker stood
             restore_rng(spec.rng_state)
+        # The state when the first epoch began (seq -1): an IterableDataset's position in
+        # the middle of an epoch is its RNG then, and the batches it delivered since.
+        self._epoch_start = (1, self._snapshot()) if spec.rng_keep else None
 
     def _seed_datapipe(self, shared_seed: int | None) -> None:
         if isinstance(self.dataset, IterDataPipe) and shared_seed is not None:
@@ -156,6 +162,8 @@ class TaskRunner:
         self._skip = None
         self._seed_datapipe(shared_seed)
         self.fetcher = self._new_fetcher()
+        if self.spec.rng_keep:
+            self._epoch_start = (epoch, self._snapshot())
 
     def skip(self, n: int, epoch: int) -> None:
         """A replacement's fast-forward: the first ``n`` batches of this worker's
@@ -183,7 +191,7 @@ class TaskRunner:
         """Fetch and collate one batch; return the frames of its data message."""
         frames = self._run_task(epoch, seq, indices)
         if self.spec.rng_keep:
-            state = capture_rng()
+            state = self._snapshot()
             with self._rng_lock:
                 self._rng_after[(epoch, seq)] = state
                 while len(self._rng_after) > self.spec.rng_keep:
@@ -191,10 +199,20 @@ class TaskRunner:
         return frames
 
     def rng_after(self, epoch: int, seq: int) -> dict | None:
-        """The RNG states right after task ``seq`` of ``epoch`` (None if this worker did
-        not run it, or not recently). Any thread."""
+        """The RNG states right after task ``seq`` of ``epoch`` (seq -1: when the epoch
+        began; None if this worker did not run it, or not recently), with a stateful
+        IterableDataset's own state. Any thread."""
         with self._rng_lock:
+            if seq == -1:
+                start = self._epoch_start
+                return start[1] if start is not None and start[0] == epoch else None
             return self._rng_after.get((epoch, seq))
+
+    def _snapshot(self) -> dict:
+        state = capture_rng()
+        if self.loader.dataset_kind == _DatasetKind.Iterable and stateful_dataset(self.dataset):
+            state["dataset"] = self.dataset.state_dict()
+        return state
 
     def _run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         wire, wid = self.spec.wire, self.spec.worker_id
