@@ -83,3 +83,35 @@ def test_an_error_over_max_message_bytes_still_reaches_the_trainer_as_an_error()
     text = msg.payload.exc_msg
     assert "ValueError: start xxx" in text and text.rstrip().endswith("end")
     assert "characters of this error message cut" in text and "max_message_bytes" in text
+
+
+def test_the_rng_recorder_takes_numpys_state_exactly_even_when_it_skips_the_slow_call():
+    import numpy as np
+
+    from dpex.server._task_runner import RngRecorder, restore_rng
+
+    def full():
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        return (kind, keys.tobytes(), int(pos), int(has_gauss), float(cached))
+
+    def draw(step):
+        value = step()
+        return None if value is None else float(value)
+
+    np.random.seed(3)
+    recorder = RngRecorder()
+    # Draws between captures: none (the slow call is skipped), uniform, a first normal
+    # (caches its twin), a second normal (uses the cache: the generator's words do not
+    # change, only the cache flag), and so on.
+    steps = [lambda: None, np.random.rand, np.random.randn, np.random.randn, lambda: None,
+             np.random.randn, lambda: None, np.random.rand, np.random.randn]
+    taken, drawn = [], []
+    for step in steps:
+        drawn.append(draw(step))
+        state = recorder.capture()
+        assert state["numpy"] == full()
+        taken.append(state)
+    assert recorder._fast  # the words were read in place: the fast path ran
+    for i, state in enumerate(taken[:-1]):  # a resumed worker draws what the first drew
+        restore_rng(state)
+        assert [draw(step) for step in steps[i + 1:]] == drawn[i + 1:], i

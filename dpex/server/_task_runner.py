@@ -8,6 +8,7 @@ becomes the frames of one data message (a batch, a wrapped error, or END).
 from __future__ import annotations
 
 import collections
+import ctypes
 import random
 import sys
 import threading
@@ -41,19 +42,55 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
     return seed
 
 
-def capture_rng() -> dict:
-    """This process's torch, ``random`` and NumPy global RNG states, as plain data (a
-    checkpoint reads them back with ``torch.load(weights_only=True)``)."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    np = sys.modules.get("numpy")  # torch seeds it only where it is installed
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = (kind, keys.tobytes(), int(pos), int(has_gauss), float(cached))
-    return state
+_MT_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
+
+
+class RngRecorder:
+    """Takes this process's torch, ``random`` and NumPy global RNG states after every
+    task, as plain data (a checkpoint reads them back with ``torch.load(weights_only=
+    True)``), cheaply.
+
+    NumPy's ``get_state()`` costs ~60 µs, most of a small batch's time, while most
+    datasets never touch NumPy's global RNG. So its state is taken again only when
+    its generator's raw words (read in place: ~1 µs) changed, or when the last one
+    taken holds a cached Gaussian (which the next normal draw uses up without
+    touching the words). If the words cannot be read as expected, every capture
+    takes the full state.
+    """
+
+    def __init__(self) -> None:
+        self._numpy: tuple | None = None  # the last NumPy state taken
+        self._words: bytes | None = None  # its raw generator words
+        self._fast = True
+
+    def capture(self) -> dict:
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+        np = sys.modules.get("numpy")  # torch seeds it only where it is installed
+        if np is not None:
+            state["numpy"] = self._numpy_state(np)
+        return state
+
+    def _numpy_state(self, np: Any) -> tuple:
+        words = self._raw_words(np) if self._fast else None
+        if words is None or words != self._words or self._numpy is None or self._numpy[3]:
+            kind, keys, pos, has_gauss, cached = np.random.get_state()
+            self._numpy = (kind, keys.tobytes(), int(pos), int(has_gauss), float(cached))
+            if words is not None and words != keys.tobytes() + int(pos).to_bytes(4, "little"):
+                self._fast, words = False, None  # not the layout expected: always in full
+            self._words = words
+        return self._numpy
+
+    def _raw_words(self, np: Any) -> bytes | None:
+        try:
+            address = np.random.mtrand._rand._bit_generator.ctypes.state_address
+        except AttributeError:
+            self._fast = False
+            return None
+        return ctypes.string_at(address, _MT_STATE_BYTES)
 
 
 def restore_rng(state: dict) -> None:
-    """Put back what :func:`capture_rng` took."""
+    """Put back what :meth:`RngRecorder.capture` took."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["random"])
     if "numpy" in state:
@@ -103,6 +140,7 @@ class TaskRunner:
         self._rng_after: collections.OrderedDict[tuple[int, int], dict] = (
             collections.OrderedDict())
         self._rng_lock = threading.Lock()  # written here, read by the control thread
+        self._recorder = RngRecorder()
         self.loader: ShippedLoader = _load(shipped)
         torch.set_num_threads(1)
         self._setup(spec)
@@ -209,7 +247,7 @@ class TaskRunner:
             return self._rng_after.get((epoch, seq))
 
     def _snapshot(self) -> dict:
-        state = capture_rng()
+        state = self._recorder.capture()
         if self.loader.dataset_kind == _DatasetKind.Iterable and stateful_dataset(self.dataset):
             state["dataset"] = self.dataset.state_dict()
         return state
