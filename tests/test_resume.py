@@ -203,3 +203,18 @@ def test_a_mid_epoch_state_of_an_iterable_dataset_is_refused_by_name():
     state = loader.state_dict()
     with pytest.raises(UnsupportedError, match="IterableDataset"):
         DpexDataLoader(dsets.ShardedRange(0, 20), batch_size=2).load_state_dict(state)
+
+
+def test_another_ranks_state_keeps_the_order_but_not_its_workers_rng_states():
+    # (Lightning under DDP saves rank 0's loader state and every rank loads it.)
+    from dpex.client._resume import plan_from
+
+    make = CONFIGS["shuffle+generator"]
+    loader = make(DpexDataLoader)
+    it = iter(loader)
+    next(it)
+    state = {**loader.state_dict(), "worker_rng": {0: {"torch": torch.get_rng_state()}},
+             "worker_rng_num_workers": 0}
+    assert plan_from(make(DpexDataLoader), state).worker_rng == state["worker_rng"]
+    other = plan_from(make(DpexDataLoader), {**state, "rank": 1})
+    assert other.worker_rng is None and other.skip == 1

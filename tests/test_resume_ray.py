@@ -2,6 +2,8 @@
 uninterrupted batches, worker seeds and worker RNG draws included."""
 
 import io
+import os
+import signal
 import time
 
 import dsets
@@ -182,3 +184,25 @@ def test_a_worker_whose_shard_ended_before_the_state_gets_no_task_after_it():
     assert resumed.stats()["workers"][1]["batches"] == 0
     resumed.close()
     assert_same(want, got, "epoch")
+
+
+def test_a_state_taken_as_a_worker_dies_comes_at_once_and_resumes_the_batches_exactly():
+    ref = probe_loader(dsets.torch_loader, 2, False)
+    want = [b["i"].tolist() for b in ref]
+    loader = dpex_probe(2, False)
+    it = iter(loader)
+    got = [next(it)["i"].tolist() for _ in range(3)]
+    victim = next(info.get("session_pid", info["pid"])
+                  for w, info in it._ready.items() if w == 1)
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    state = round_trip(loader.state_dict())  # worker 1 never answers: it is replaced
+    assert time.monotonic() - t0 < 15  # not the 30 s the query may wait for a live worker
+    assert state["worker_rng"][1] is None and state["worker_rng"][0] is not None
+    del it
+    loader.close()
+    resumed = dpex_probe(2, False)
+    resumed.load_state_dict(state)
+    got += [b["i"].tolist() for b in resumed]
+    resumed.close()
+    assert got == want

@@ -307,13 +307,16 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
             return data
 
-    def _receive_one(self) -> None:
-        """Wait for one event from the loop thread or Ray and apply it."""
+    def _receive_one(self, until: float | None = None) -> None:
+        """Wait for one event from the loop thread or Ray and apply it (or, with
+        ``until``, for none past that monotonic time)."""
         if self._runtime.closed:
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
         if time.monotonic() >= self._lost_check_at:
             self._check_lost()
-        event = self._wait_event()
+        event = self._wait_event(until)
+        if event is None:
+            return
         if isinstance(event, list):  # data messages that arrived together
             self._apply(self._sched.results(event))
         elif isinstance(event, WorkerHello):
@@ -328,9 +331,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 raise event.error
             raise EventLoopError(f"the dpex event loop failed: {event.error!r}") from event.error
 
-    def _wait_event(self) -> Any:
+    def _wait_event(self, until: float | None = None) -> Any:
         """The next event, within torch's ``timeout`` (or ``startup_timeout`` while
-        workers start); with no timeout, wake every few seconds to check the loop lives."""
+        workers start); with no timeout, wake every few seconds to check the loop lives.
+        None once ``until`` (a monotonic time) has passed without one."""
         starting = not self._sched.workers.all_ready()
         if starting:
             deadline: float | None = self._startup_deadline
@@ -345,6 +349,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 pass
             wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             wait = min(wait, self._lost_check_at - time.monotonic())  # lost batches?
+            if until is not None:
+                if time.monotonic() >= until:
+                    return None
+                wait = min(wait, until - time.monotonic())
             if wait <= 0:
                 self._check_lost()
                 continue
@@ -447,24 +455,27 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         """Each worker's RNG states right after the batch ``asked`` names (for
         ``state_dict()``; a worker that computed none of the batches taken has its
         seeded states, which a resumed worker gets anyway, and is left out). None for
-        a worker that no longer has them (it was replaced)."""
+        a worker that no longer has them (it died, or was replaced: its replacement
+        starts from its seed)."""
         if self._runtime.closed:
             return None  # its workers are gone: nobody to ask
-        if not asked:
-            return {}
         self._rng_replies = {}
+        incarnations = {w: self._sched.workers[w].incarnation for w in asked}
         for w, (epoch, seq) in asked.items():
             self._loop.call_soon(self._session.send, w, Kind.RNG_QUERY, epoch, seq)
+
+        def answered(w: int) -> bool:
+            reply = self._rng_replies.get(w)
+            return reply is not None and (reply.epoch, reply.seq) == asked[w]
+
         deadline = time.monotonic() + _RNG_QUERY_S
-        while any(self._rng_replies.get(w) is None or (
-                self._rng_replies[w].epoch, self._rng_replies[w].seq) != asked[w]
-                for w in asked):
+        while waiting := [w for w in asked if not answered(w)
+                          and self._sched.workers[w].incarnation == incarnations[w]]:
             if time.monotonic() > deadline:
-                raise DpexTimeoutError(
-                    f"state_dict(): workers {sorted(set(asked) - set(self._rng_replies))} "
-                    f"did not report their RNG states within {_RNG_QUERY_S:g} s")
-            self._receive_one()
-        return {w: self._rng_replies[w].state for w in asked}
+                raise DpexTimeoutError(f"state_dict(): workers {waiting} did not report their "
+                                       f"RNG states within {_RNG_QUERY_S:g} s")
+            self._receive_one(until=deadline)
+        return {w: self._rng_replies[w].state if answered(w) else None for w in asked}
 
     def _start_replacement(self, w: int, incarnation: int) -> None:
         """Start a replacement with the same worker id (same seed, worker_init_fn run

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,7 @@ from dpex.errors import ResumeStateError, UnsupportedError
 __all__ = ["STATE_VERSION", "ResumePlan", "IndexView", "Drawing", "Position", "capture",
            "plan_from", "replaying"]
 
+logger = logging.getLogger("dpex")
 STATE_VERSION = 1
 _FORMAT = "dpex.DpexDataLoader"
 _ITERABLE = torch.utils.data.dataloader._DatasetKind.Iterable
@@ -234,6 +236,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         "format": _FORMAT, "version": STATE_VERSION,
         "rng_source": _source(drawn_from), "base_rng_source": _source(loader.generator),
         "num_workers": loader.num_workers,
+        "rank": _rank(),
         "length": _length(loader),
         "sampler_epoch": getattr(loader.sampler, "epoch", None),
         "mid_epoch": False, "yielded": 0,
@@ -283,6 +286,11 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
                                    else state["sampler_rng"]),
                  sampler_state=drawing.sampler_state_at(yielded))
     return position
+
+
+def _rank() -> int:
+    """This process's rank (torch.distributed), 0 without it."""
+    return torch.utils.data.dataloader._get_distributed_settings()[1]
 
 
 def _length(loader: Any) -> int | None:
@@ -337,6 +345,14 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
                 f"num_workers={state['worker_rng_num_workers']}; its shards are per worker, "
                 f"so it resumes with that many workers only (this loader has "
                 f"{loader.num_workers})")
+    worker_rng = state["worker_rng"]
+    if worker_rng is not None and state.get("rank", 0) != _rank():
+        # Another rank's workers (a framework that saves rank 0's state only): their RNG
+        # states belong to other batches; this rank's workers start from their seeds.
+        logger.warning("dpex: this loader state was taken on rank %s, this is rank %s: its "
+                       "workers' RNG states are not used (the batches' order is)",
+                       state.get("rank", 0), _rank())
+        worker_rng = None
     if not state["mid_epoch"]:  # the next epoch draws from the generators as they were
         if drawn_from is not None:
             drawn_from.set_state(state["sampler_rng"])
@@ -350,7 +366,7 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
     return ResumePlan(skip=state["yielded"], sampler_rng=state["sampler_rng"],
                       draw_rng=state["sampler_draw_rng"], iterator_rng=state["iterator_rng"],
                       sampler_state=state["sampler_state"], armed=state["mid_epoch"],
-                      worker_rng=state["worker_rng"],
+                      worker_rng=worker_rng,
                       worker_rng_num_workers=state["worker_rng_num_workers"],
                       iterable=state["iterable"])
 
