@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -21,6 +22,8 @@ from dpex.client._resume import IndexView, Position, ResumePlan, capture, plan_f
 from dpex.errors import DpexDroppedWarning
 
 __all__ = ["DpexDataLoader"]
+
+logger = logging.getLogger("dpex")
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -156,6 +159,7 @@ class DpexDataLoader(DataLoader[T_co]):
         # the workers' nodes already hold instead of putting (and moving) it again.
         self._shipped: tuple[bytes, Any] | None = None
         self._current: weakref.ref | None = None  # the newest iterator, either mode
+        self._kept_state: dict | None = None  # where it stood if it ended mid-epoch
         # What load_state_dict() loaded and no iterator has taken yet (travels with the
         # configuration: a spawned rank resumes from it).
         self.__dict__.setdefault("_resume_plan", None)
@@ -165,7 +169,7 @@ class DpexDataLoader(DataLoader[T_co]):
         iterators, their workers and counters stay with the process that made them."""
         state = dict(self.__dict__)
         for name in ("_iterator", "_live_iterators", "_latest", "_final_stats", "_shipped",
-                     "_current"):
+                     "_current", "_kept_state"):
             state.pop(name, None)
         return state
 
@@ -284,11 +288,10 @@ class DpexDataLoader(DataLoader[T_co]):
         generator = self.generator
         iterator_rng = (plan.iterator_rng if plan is not None else
                         generator.get_state() if generator is not None else torch.get_rng_state())
-        try:
-            with replaying(self, plan):
-                iterator = self._make_iterator()
-        finally:
-            self._resume_plan = None  # the new iterator's epoch holds it until it draws
+        with replaying(self, plan):  # (if this fails, the plan stays for the next try)
+            iterator = self._make_iterator()
+        self._resume_plan = None  # the new iterator's epoch holds it until it draws
+        self._kept_state = None  # a position kept from an earlier iterator is past now
         iterator._dpex_iterator_rng = iterator_rng  # its base seed was drawn from this
         self._current = weakref.ref(iterator)
         return iterator
@@ -320,14 +323,35 @@ class DpexDataLoader(DataLoader[T_co]):
         the workers for their RNG states only then)."""
         iterator = self._iterator if self._iterator is not None else (
             self._current() if self._current is not None else None)
+        kept = self.__dict__.get("_kept_state")
+        if iterator is None and kept is not None:
+            return Position(dict(kept))  # its iterator ended mid-epoch (see _keep_position)
         return capture(self, iterator, self.__dict__.get("_resume_plan"))
+
+    def _keep_position(self, iterator: Any, ask_workers: bool) -> None:
+        """Keep where ``iterator`` stood if it ends in the middle of an epoch (closed,
+        or dropped: a loop left with ``break``), for a ``state_dict()`` taken after
+        it. A dropped one's workers are going: their RNG states cannot be asked for,
+        so its resumed workers start from their seeds."""
+        position = capture(self, iterator, None)
+        if not position.partial["mid_epoch"]:
+            return
+        if not ask_workers and position.asked:
+            position.iterator = None
+            logger.info("dpex: an iterator was dropped in the middle of an epoch; "
+                        "state_dict() keeps its position, without its workers' RNG states "
+                        "(take state_dict() before leaving the loop to keep them)")
+        self._kept_state = position.state()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume where ``state_dict()`` was taken: the next ``iter(loader)`` yields the
         rest of that epoch, and later epochs follow, exactly as an uninterrupted run's
-        (for any ``num_workers``). Raises :class:`~dpex.ResumeStateError` for a state of
-        another dataset length, generator or dpex version."""
+        (a map-style dataset's with any ``num_workers``, an IterableDataset's with the
+        same). Raises :class:`~dpex.ResumeStateError` for a state of another dataset
+        length, generator, worker count (IterableDataset) or dpex version, and
+        :class:`~dpex.UnsupportedError` for one this loader cannot resume."""
         plan = plan_from(self, state_dict)
+        self._kept_state = None
         persistent = self._iterator
         if persistent is not None:  # its workers hold another position: a fresh iterator
             self._iterator = None
@@ -347,7 +371,14 @@ class DpexDataLoader(DataLoader[T_co]):
         return iterator.stats() if iterator is not None else dict(self._final_stats)
 
     def close(self) -> None:
-        """Stop every worker, socket and thread this loader started (idempotent)."""
+        """Stop every worker, socket and thread this loader started (idempotent). A
+        ``state_dict()`` after it still says where the newest iterator stood."""
+        current = self._current() if self._current is not None else None
+        if current in self._live_iterators and not current.closed:
+            try:
+                self._keep_position(current, ask_workers=True)
+            except Exception:  # (in_order=False, say): close all the same
+                logger.info("dpex: close() keeps no position", exc_info=True)
         for iterator in list(self._live_iterators):
             iterator._shutdown_workers()
         self._live_iterators.clear()

@@ -169,7 +169,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._last_taken: dict[int, tuple[int, int]] = {}
         self._taken_count: dict[int, int] = {}
         self._ended: set[int] = set()
-        self._rng_replies: dict[int, RngReply] = {}
+        self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
         window = self._prefetch_factor * self._num_workers
         try:
             self._runtime.open()
@@ -220,10 +220,12 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         taken = {int(w): s["taken"] for w, s in shards["workers"].items()} if shards else {}
         self._taken_count = dict(taken)
         self._ended = {int(w) for w, s in shards["workers"].items() if s["ended"]} if shards else set()
+        # A worker passes over what it delivered, unless it resumes its dataset's own state.
+        skips = {w: n for w, n in taken.items()
+                 if "dataset" not in (self._specs[w].rng_state or {})}
         self._apply(self._sched.start_epoch(
             self._next_index, resume=self._shared_seed, first_worker=first_worker,
-            ended=frozenset(self._ended),
-            skips={} if self._stateful_dataset else taken))
+            ended=frozenset(self._ended), skips=skips))
 
     def _apply(self, actions: list[Any]) -> None:
         """Carry out the scheduler's actions, in its order; the messages among them go
@@ -324,7 +326,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         elif isinstance(event, WorkerExit):
             self._on_exit(event)
         elif isinstance(event, RngReply):
-            self._rng_replies[event.worker_id] = event
+            self._rng_replies[(event.worker_id, event.epoch, event.seq)] = event
         elif isinstance(event, LoopFailure):
             self._shutdown_workers()
             if isinstance(event.error, DpexError):  # one of dpex's own: it says what
@@ -453,10 +455,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     def worker_rng_states(self, asked: dict[int, tuple[int, int]]
                           ) -> dict[int, dict | None] | None:
         """Each worker's RNG states right after the batch ``asked`` names (for
-        ``state_dict()``; a worker that computed none of the batches taken has its
-        seeded states, which a resumed worker gets anyway, and is left out). None for
-        a worker that no longer has them (it died, or was replaced: its replacement
-        starts from its seed)."""
+        ``state_dict()``). A worker not asked (none of its batches was taken) has the
+        states it started with: those it was resumed with, or its seeded ones (left
+        out: a resumed worker gets them anyway). None for a worker that no longer has
+        them (it died, or was replaced: its replacement starts from its seed)."""
         if self._runtime.closed:
             return None  # its workers are gone: nobody to ask
         self._rng_replies = {}
@@ -465,8 +467,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._loop.call_soon(self._session.send, w, Kind.RNG_QUERY, epoch, seq)
 
         def answered(w: int) -> bool:
-            reply = self._rng_replies.get(w)
-            return reply is not None and (reply.epoch, reply.seq) == asked[w]
+            return (w, *asked[w]) in self._rng_replies
 
         deadline = time.monotonic() + _RNG_QUERY_S
         while waiting := [w for w in asked if not answered(w)
@@ -475,7 +476,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 raise DpexTimeoutError(f"state_dict(): workers {waiting} did not report their "
                                        f"RNG states within {_RNG_QUERY_S:g} s")
             self._receive_one(until=deadline)
-        return {w: self._rng_replies[w].state if answered(w) else None for w in asked}
+        started = {w: spec.rng_state for w, spec in enumerate(self._specs)
+                   if spec.rng_state is not None}
+        return {**started, **{w: self._rng_replies[(w, *asked[w])].state if answered(w) else None
+                              for w in asked}}
 
     def _start_replacement(self, w: int, incarnation: int) -> None:
         """Start a replacement with the same worker id (same seed, worker_init_fn run
@@ -487,7 +491,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             self._loop.call_soon(self._session.retire_ring, old.ring_id)
         self._specs[w] = spec = dataclasses.replace(
             self._specs[w], incarnation=incarnation,
-            shared_seed=self._worker_shared_seed, ring=self._new_ring(w))
+            shared_seed=self._worker_shared_seed, ring=self._new_ring(w),
+            # The saved states belong to the resumed epoch; later a worker starts anew.
+            rng_state=self._specs[w].rng_state if self._sched.epoch == 1 else None)
         self._loop.call_soon(self._session.expect, w, spec.incarnation)
         self._runtime.workers.restart(spec, self._shipped)
 
@@ -581,6 +587,15 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         }
 
     def __del__(self) -> None:
+        # Dropped in the middle of an epoch (a loop left with `break`): the loader keeps
+        # where it stood, for a state_dict() after the loop.
+        loader = self._loader_ref() if hasattr(self, "_loader_ref") else None
+        if loader is not None and not self._runtime.closed:
+            try:
+                loader._keep_position(self, ask_workers=False)
+            except Exception:  # never from __del__; the state is then an epoch boundary
+                logger.debug("dpex: could not keep a dropped iterator's position",
+                             exc_info=True)
         # The finalizer is the safety net; this only makes the common case prompt.
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:

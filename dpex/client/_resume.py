@@ -224,6 +224,12 @@ class Position:
         iterator = self.iterator() if self.iterator is not None else None
         if self.asked is not None and iterator is not None:
             state["worker_rng"] = iterator.worker_rng_states(self.asked)
+        if not state["mid_epoch"] and state["worker_rng"]:
+            # Between epochs a stateful IterableDataset starts its next epoch anew: its
+            # position at the end of this one must not come back.
+            state["worker_rng"] = {w: rng if rng is None else
+                                   {k: v for k, v in rng.items() if k != "dataset"}
+                                   for w, rng in state["worker_rng"].items()}
         return state
 
 
@@ -278,6 +284,12 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         position.asked = iterator.resume_points(mid_epoch=not finished)
     if finished:
         return position  # a persistent iterator's next epoch: same base seed, sampler anew
+    if not getattr(loader, "in_order", True) and loader.num_workers > 0:
+        raise UnsupportedError(
+            "state_dict() in the middle of an epoch of a loader with in_order=False: the "
+            "batches taken so far are not the epoch's first ones, so no position resumes "
+            "it exactly; use in_order=True (torch's default) to checkpoint mid-epoch, or "
+            "take the state between epochs")
     if iterable:  # the position is in the workers' shards; torch's workers cannot tell it
         state["iterable"] = iterator.shard_positions() if dpex_workers else {"unknown": True}
     state.update(mid_epoch=True, yielded=yielded, sampler_rng=drawing.iter_rng,
@@ -294,6 +306,10 @@ def _rank() -> int:
 
 
 def _length(loader: Any) -> int | None:
+    """Batches per epoch of a map-style loader (an IterableDataset's length is a hint,
+    and asking for it would make torch warn when the epoch runs longer)."""
+    if loader._dataset_kind == _ITERABLE:
+        return None
     try:
         return len(loader)
     except TypeError:

@@ -33,6 +33,7 @@ from dpex.server._task_runner import TaskRunner
 
 __all__ = ["DpexWorker"]
 
+_RNG_WAIT_S = 5.0  # how long an RNG_QUERY answer waits for the compute thread to get there
 _RESUME = object()
 _SKIP = object()
 
@@ -70,6 +71,7 @@ class _Session:
         self.stop = asyncio.Event()
         self.epoch_floor = 0  # tasks of earlier epochs (abandoned) are skipped
         self.runner: TaskRunner | None = None  # set by the compute thread once loaded
+        self.answers: set[asyncio.Task] = set()  # RNG_QUERY answers being prepared
 
 
 class _ConnectionLog:
@@ -252,6 +254,8 @@ class DpexWorker:
             finally:
                 reader.cancel()
                 stopper.cancel()
+                for answer in session.answers:
+                    answer.cancel()
         finally:
             self._sessions.discard(session)
             halt.set()
@@ -346,12 +350,34 @@ class DpexWorker:
             elif msg.kind is Kind.SKIP:
                 inbox.put((_SKIP, msg.payload, msg.epoch))
             elif msg.kind is Kind.RNG_QUERY:
-                runner = session.runner
-                rng = runner.rng_after(msg.epoch, msg.payload) if runner is not None else None
-                await ctrl.send_multipart(spec.wire.encode(
-                    Kind.RNG_STATE, msg.epoch, msg.payload, spec.worker_id, rng))
+                answer = asyncio.ensure_future(
+                    self._answer_rng(ctrl, spec, session, msg.epoch, msg.payload))
+                session.answers.add(answer)
+                answer.add_done_callback(session.answers.discard)
             elif msg.kind is Kind.STOP:
                 session.stop.set()
+
+
+    @staticmethod
+    async def _answer_rng(ctrl: zmq.asyncio.Socket, spec: WorkerSpec, session: _Session,
+                          epoch: int, seq: int) -> None:
+        """Answer RNG_QUERY: the RNG states right after task ``seq`` of ``epoch`` (-1:
+        when the epoch began). The compute thread may not be there yet (its runner still
+        loading, a RESUME still queued): wait for it a little, then answer None."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _RNG_WAIT_S
+        while True:
+            runner = session.runner
+            rng = runner.rng_after(epoch, seq) if runner is not None else None
+            if rng is not None or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        try:
+            frames = spec.wire.encode(Kind.RNG_STATE, epoch, seq, spec.worker_id, rng)
+        except Exception:  # a dataset state that cannot be pickled: the RNG states alone
+            rng = {k: v for k, v in (rng or {}).items() if k != "dataset"} or None
+            frames = spec.wire.encode(Kind.RNG_STATE, epoch, seq, spec.worker_id, rng)
+        await ctrl.send_multipart(frames)
 
 
 class SessionWorker(DpexWorker):

@@ -8,7 +8,9 @@ becomes the frames of one data message (a batch, a wrapped error, or END).
 from __future__ import annotations
 
 import collections
+import copy
 import ctypes
+import logging
 import random
 import sys
 import threading
@@ -28,6 +30,8 @@ from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
 
 __all__ = ["TaskRunner"]
+
+logger = logging.getLogger("dpex")
 
 
 def _seed_like_torch(base_seed: int, worker_id: int) -> int:
@@ -74,7 +78,9 @@ class RngRecorder:
         words = self._raw_words(np) if self._fast else None
         if words is None or words != self._words or self._numpy is None or self._numpy[3]:
             kind, keys, pos, has_gauss, cached = np.random.get_state()
-            self._numpy = (kind, keys.tobytes(), int(pos), int(has_gauss), float(cached))
+            # (the words as a tensor: torch.load(weights_only=True) reads any pickle of it)
+            self._numpy = (kind, torch.from_numpy(keys.view(np.int32).copy()), int(pos),
+                           int(has_gauss), float(cached))
             if words is not None and words != keys.tobytes() + int(pos).to_bytes(4, "little"):
                 self._fast, words = False, None  # not the layout expected: always in full
             self._words = words
@@ -97,8 +103,8 @@ def restore_rng(state: dict) -> None:
         import numpy as np
 
         kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), pos,
-                             has_gauss, cached))
+        np.random.set_state((kind, keys.numpy().view(np.uint32).copy(), pos, has_gauss,
+                             cached))
 
 
 def _load(shipped: bytes) -> ShippedLoader:
@@ -141,6 +147,7 @@ class TaskRunner:
             collections.OrderedDict())
         self._rng_lock = threading.Lock()  # written here, read by the control thread
         self._recorder = RngRecorder()
+        self._dataset_state_failed = False
         self.loader: ShippedLoader = _load(shipped)
         torch.set_num_threads(1)
         self._setup(spec)
@@ -158,20 +165,20 @@ class TaskRunner:
         self._skip: tuple[int, int] | None = None  # (epoch, batches) to fast-forward
         self.init_error: ExceptionWrapper | None = None
         self.fetcher = None
+        self._epoch_start: tuple[int, dict] | None = None
         try:
             if self.loader.worker_init_fn is not None:
                 self.loader.worker_init_fn(spec.worker_id)
-            saved = spec.rng_state or {}
-            if "dataset" in saved:  # resumed: a stateful IterableDataset's own position
-                self.dataset.load_state_dict(saved["dataset"])
+            if spec.rng_state is not None:  # resumed: where the saved run's worker stood
+                restore_rng(spec.rng_state)
+                if "dataset" in spec.rng_state:  # a stateful IterableDataset's position
+                    self.dataset.load_state_dict(spec.rng_state["dataset"])
+            # The state when the epoch began (seq -1), before iter(dataset) draws: an
+            # IterableDataset's position mid-epoch is that, and the batches delivered since.
+            self._mark_epoch_start(1)
             self.fetcher = self._new_fetcher()
         except Exception:
             self.init_error = ExceptionWrapper(where=self._where())
-        if spec.rng_state is not None:  # resumed: where the saved run's worker stood
-            restore_rng(spec.rng_state)
-        # The state when the first epoch began (seq -1): an IterableDataset's position in
-        # the middle of an epoch is its RNG then, and the batches it delivered since.
-        self._epoch_start = (1, self._snapshot()) if spec.rng_keep else None
 
     def _seed_datapipe(self, shared_seed: int | None) -> None:
         if isinstance(self.dataset, IterDataPipe) and shared_seed is not None:
@@ -199,7 +206,10 @@ class TaskRunner:
         self.exhausted = False
         self._skip = None
         self._seed_datapipe(shared_seed)
+        self._mark_epoch_start(epoch)
         self.fetcher = self._new_fetcher()
+
+    def _mark_epoch_start(self, epoch: int) -> None:
         if self.spec.rng_keep:
             self._epoch_start = (epoch, self._snapshot())
 
@@ -249,7 +259,14 @@ class TaskRunner:
     def _snapshot(self) -> dict:
         state = self._recorder.capture()
         if self.loader.dataset_kind == _DatasetKind.Iterable and stateful_dataset(self.dataset):
-            state["dataset"] = self.dataset.state_dict()
+            try:  # (a copy: the dataset goes on changing what it returned)
+                state["dataset"] = copy.deepcopy(self.dataset.state_dict())
+            except Exception as exc:  # its next batch says what is wrong, if anything is
+                if not self._dataset_state_failed:
+                    self._dataset_state_failed = True
+                    logger.warning("dpex worker %s: the dataset's state_dict() failed (%s: "
+                                   "%s); a resumed worker passes over its batches instead",
+                                   self.spec.worker_id, type(exc).__name__, exc)
         return state
 
     def _run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
