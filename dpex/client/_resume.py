@@ -245,14 +245,20 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         "rank": _rank(),
         "length": _length(loader),
         "sampler_epoch": getattr(loader.sampler, "epoch", None),
-        "mid_epoch": False, "yielded": 0,
-        # At an epoch boundary: what the next epoch draws its order and base seed from.
-        "sampler_rng": _rng_state(drawn_from),
-        "base_rng": loader.generator.get_state() if loader.generator is not None else None,
-        "sampler_draw_rng": None, "iterator_rng": None,
+        "mid_epoch": False, "yielded": 0, "sampler_rng": None, "base_rng": None,
+        "sampler_draw_rng": None, "iterator_rng": None, "sampler_state": None,
         "worker_rng": None, "worker_rng_num_workers": 0, "iterable": None,
-        "sampler_state": own.state_dict() if (own := stateful(index_sampler)) else None,
     }
+
+    def boundary() -> dict:
+        """At an epoch boundary: what the next epoch draws its order and base seed from
+        (taken only here: a framework may capture a position per batch)."""
+        own = stateful(index_sampler)
+        state.update(sampler_rng=_rng_state(drawn_from),
+                     base_rng=None if loader.generator is None else loader.generator.get_state(),
+                     sampler_state=own.state_dict() if own else None)
+        return state
+
     drawing = getattr(iterator, "_sampler_iter", None) if iterator is not None else None
     if isinstance(drawing, Drawing) and drawing.plan is not None:
         pending = drawing.plan  # an iterator made since, that has not drawn yet
@@ -260,13 +266,13 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         state.update(iterator_rng=pending.iterator_rng, worker_rng=pending.worker_rng,
                      worker_rng_num_workers=pending.worker_rng_num_workers,
                      iterable=pending.iterable if pending.armed else None)
-        if pending.armed:
-            state.update(mid_epoch=True, yielded=pending.skip, sampler_rng=pending.sampler_rng,
-                         sampler_draw_rng=pending.draw_rng,
-                         sampler_state=pending.sampler_state)
+        if not pending.armed:
+            return Position(boundary())
+        state.update(mid_epoch=True, yielded=pending.skip, sampler_rng=pending.sampler_rng,
+                     sampler_draw_rng=pending.draw_rng, sampler_state=pending.sampler_state)
         return Position(state)
     if not isinstance(drawing, Drawing):
-        return Position(state)  # no iterator: the next epoch starts anew
+        return Position(boundary())  # no iterator: the next epoch starts anew
     yielded = iterator._num_yielded + drawing.skipped
     iterable = loader._dataset_kind == _ITERABLE
     finished = (drawing.exhausted and yielded >= drawing.position) or getattr(
@@ -274,9 +280,9 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         not iterable and state["length"] is not None and yielded >= state["length"])
     persistent = loader.persistent_workers and loader.num_workers > 0
     if finished and not persistent:
-        return Position(state)  # the next epoch: a new iterator, from the generators now
+        return Position(boundary())  # the next epoch: a new iterator, from generators now
     state["iterator_rng"] = iterator._dpex_iterator_rng  # its base seed, drawn again
-    position = Position(state)
+    position = Position(boundary() if finished else state)
     dpex_workers = callable(getattr(iterator, "worker_rng_states", None))
     if dpex_workers:
         state["worker_rng_num_workers"] = loader.num_workers
@@ -295,7 +301,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     state.update(mid_epoch=True, yielded=yielded, sampler_rng=drawing.iter_rng,
                  # not drawn yet: the first draw will find the generator as it is now
                  sampler_draw_rng=(drawing.draw_rng if drawing.draw_rng is not None
-                                   else state["sampler_rng"]),
+                                   else _rng_state(drawn_from)),
                  sampler_state=drawing.sampler_state_at(yielded))
     return position
 
