@@ -47,6 +47,7 @@ from dpex.client._scheduler import (
 )
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
+from dpex.client._taken import TakenRecord
 from dpex.client._workers import FleetGroup, WorkerGroup, WorkerProcess
 from dpex.errors import (
     DpexError,
@@ -159,16 +160,11 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._resume_first_worker = (plan.skip % self._num_workers
                                      if plan is not None and plan.armed else 0)
         shards = plan.iterable if plan is not None and plan.armed else None
-        self._resume_shards = shards
         if shards is not None:
             self._resume_first_worker = shards["next_worker"]
-        self._stateful_dataset = (self._dataset_kind == _DatasetKind.Iterable
-                                  and stateful_dataset(self._dataset))
-        # The last batch each worker computed that the training loop took: (epoch, seq);
-        # this epoch's batches taken per worker, and the workers whose END was taken.
-        self._last_taken: dict[int, tuple[int, int]] = {}
-        self._taken_count: dict[int, int] = {}
-        self._ended: set[int] = set()
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        self._taken = TakenRecord(self._num_workers, iterable,
+                                  iterable and stateful_dataset(self._dataset), shards)
         self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
         window = self._prefetch_factor * self._num_workers
         try:
@@ -216,16 +212,13 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._epoch_t0, self._epoch_end, self._wait_s = time.monotonic(), None, 0.0
         # The RESUME payload is the IterDataPipe seed of the new epoch (None otherwise).
         first_worker, self._resume_first_worker = self._resume_first_worker, 0
-        shards, self._resume_shards = self._resume_shards, None
-        taken = {int(w): s["taken"] for w, s in shards["workers"].items()} if shards else {}
-        self._taken_count = dict(taken)
-        self._ended = {int(w) for w, s in shards["workers"].items() if s["ended"]} if shards else set()
+        self._taken.new_epoch()
         # A worker passes over what it delivered, unless it resumes its dataset's own state.
-        skips = {w: n for w, n in taken.items()
+        skips = {w: n for w, n in self._taken.count.items()
                  if "dataset" not in (self._specs[w].rng_state or {})}
         self._apply(self._sched.start_epoch(
             self._next_index, resume=self._shared_seed, first_worker=first_worker,
-            ended=frozenset(self._ended), skips=skips))
+            ended=frozenset(self._taken.ended), skips=skips))
 
     def _apply(self, actions: list[Any]) -> None:
         """Carry out the scheduler's actions, in its order; the messages among them go
@@ -296,12 +289,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 finally:
                     self._wait_s += time.monotonic() - waited
                 continue
-            w = msg.worker_id
+            self._taken.took(msg)
             if msg.kind is Kind.END:
-                self._ended.add(w)
                 continue
-            self._last_taken[w] = (msg.epoch, msg.seq)
-            self._taken_count[w] = self._taken_count.get(w, 0) + 1
             if msg.kind is Kind.ERROR:
                 msg.payload.reraise()
             data = msg.payload
@@ -425,28 +415,13 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         ) from exit_.error
 
     def resume_points(self, mid_epoch: bool) -> dict[int, tuple[int, int]]:
-        """Which RNG states (and stateful IterableDataset states) ``state_dict()`` asks
-        each worker for: right after its last batch the training loop took, (epoch,
-        seq). In the middle of an IterableDataset's epoch a worker resumes by passing
-        over what it delivered, from its state when the epoch began (seq -1), unless its
-        dataset keeps its own position."""
-        if not mid_epoch or self._dataset_kind != _DatasetKind.Iterable:
-            return dict(self._last_taken)
-        epoch = self._sched.epoch
-        start = {w: (epoch, -1) for w in range(self._num_workers)}
-        if not self._stateful_dataset:
-            return start
-        return {**start, **{w: at for w, at in self._last_taken.items() if at[0] == epoch}}
+        """See :meth:`TakenRecord.resume_points`."""
+        return self._taken.resume_points(self._sched.epoch, mid_epoch)
 
     def shard_positions(self) -> dict:
-        """An IterableDataset's position mid-epoch (for ``state_dict()``): per worker the
-        batches of this epoch taken and whether its shard ended; the worker whose turn
-        the next slot is; whether the dataset keeps its own position."""
-        owner = self._sched.ledger.worker_of(self._sched.buffer.next_seq)
-        return {"workers": {w: {"taken": self._taken_count.get(w, 0), "ended": w in self._ended}
-                            for w in range(self._num_workers)},
-                "next_worker": owner if owner is not None else 0,
-                "stateful": self._stateful_dataset}
+        """See :meth:`TakenRecord.shard_positions` (for ``state_dict()``)."""
+        return self._taken.shard_positions(
+            self._sched.ledger.worker_of(self._sched.buffer.next_seq))
 
     @property
     def epoch_ended(self) -> bool:
