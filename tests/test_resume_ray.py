@@ -24,6 +24,16 @@ def round_trip(state):
     return torch.load(buf, weights_only=True)
 
 
+def rest_of_epoch(loader, state):
+    """What ``loader`` yields after loading ``state``: the rest of that epoch (closed
+    after)."""
+    loader.load_state_dict(state)
+    try:
+        return list(loader)
+    finally:
+        loader.close()
+
+
 def probe_loader(cls, num_workers, persistent, **kwargs):
     """SeedProbe: each sample carries its worker's id, seed and torch / random / NumPy
     draws, so a batch is equal only if the worker's RNG stood where torch's did."""
@@ -80,10 +90,7 @@ def test_a_state_between_epochs_of_persistent_workers_keeps_their_rng_going():
     state = round_trip(loader.state_dict())
     loader.close()
     assert not state["mid_epoch"] and set(state["worker_rng"]) == {0, 1}
-    resumed = dpex_probe(2, True)
-    resumed.load_state_dict(state)
-    second = list(resumed)
-    resumed.close()
+    second = rest_of_epoch(dpex_probe(2, True), state)
     assert_same(want, [first, second], "epochs")
 
 
@@ -116,10 +123,7 @@ def test_prefetched_batches_not_yet_taken_are_computed_again_not_lost():
     assert state["yielded"] == 2
     del it
     loader.close()
-    resumed = dpex_probe(2, False)
-    resumed.load_state_dict(state)
-    assert_same(want, part + list(resumed), "epoch")
-    resumed.close()
+    assert_same(want, part + rest_of_epoch(dpex_probe(2, False), state), "epoch")
 
 
 def shards_loader(cls, dataset, persistent, num_workers=2, **kwargs):
@@ -204,10 +208,7 @@ def test_a_state_taken_as_a_worker_dies_comes_at_once_and_resumes_the_batches_ex
     assert state["worker_rng"][1] is None and state["worker_rng"][0] is not None
     del it
     loader.close()
-    resumed = dpex_probe(2, False)
-    resumed.load_state_dict(state)
-    got += [b["i"].tolist() for b in resumed]
-    resumed.close()
+    got += [b["i"].tolist() for b in rest_of_epoch(dpex_probe(2, False), state)]
     assert got == want
 
 
@@ -220,9 +221,7 @@ def test_a_stateful_iterable_datasets_next_epoch_after_a_state_between_epochs_is
     loader.close()
     resumed = shards_loader(DpexDataLoader, dsets.PositionedShards(), True,
                             distribute_mode=True)
-    resumed.load_state_dict(state)
-    second = list(resumed)
-    resumed.close()
+    second = rest_of_epoch(resumed, state)
     assert_same(want, [first, second], "epochs")
 
 
@@ -239,9 +238,7 @@ def test_a_stateful_iterable_state_without_its_workers_states_resumes_by_passing
     loader.close()
     resumed = shards_loader(DpexDataLoader, dsets.PositionedShards(), False,
                             distribute_mode=True)
-    resumed.load_state_dict(state)
-    got += list(resumed)
-    resumed.close()
+    got += rest_of_epoch(resumed, state)
     assert_same(want, got, "epoch")
 
 
@@ -262,10 +259,7 @@ def test_a_second_checkpoint_after_a_resume_keeps_every_workers_rng_states():
         state = round_trip(loader.state_dict())
         del it
         loader.close()
-    loader = dpex_probe(2, False)
-    loader.load_state_dict(state)
-    got += list(loader)
-    loader.close()
+    got += rest_of_epoch(dpex_probe(2, False), state)
     assert_same(want, got, "epoch")
 
 
@@ -281,10 +275,7 @@ def test_a_state_after_the_loop_was_left_says_where_it_stood():
     state = round_trip(loader.state_dict())
     assert state["mid_epoch"] and state["yielded"] == 4
     loader.close()
-    resumed = dpex_probe(2, False)
-    resumed.load_state_dict(state)
-    got += [b["i"].tolist() for b in resumed]
-    resumed.close()
+    got += [b["i"].tolist() for b in rest_of_epoch(dpex_probe(2, False), state)]
     assert got == want
 
 
