@@ -9,7 +9,9 @@ from typing import Any
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 
-__all__ = ["DpexConfig"]
+__all__ = ["DpexConfig", "WORKER_SEEDINGS"]
+
+WORKER_SEEDINGS = ("torch", "per_batch")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,10 @@ class DpexConfig:
     milliseconds instead of seconds); 0 ends every worker with its iterator, as torch
     does. Idle workers never outlive this process (``dpex.release_warm_workers()``
     ends them at once).
+    ``worker_seeding``: ``"torch"`` seeds each worker once, as torch does (``base_seed +
+    worker_id``); ``"per_batch"`` seeds torch, ``random`` and NumPy before every batch
+    from (base seed, epoch, batch number), so a batch's random draws do not depend on
+    which worker, or how many, computed it (docs/AUTOSCALE.md).
     """
 
     distribute_mode: bool = False
@@ -49,6 +55,7 @@ class DpexConfig:
     worker_pool: str | None = None
     lost_batch_timeout: float | None = None
     warm_worker_timeout: float = 60.0
+    worker_seeding: str = "torch"
 
     def __post_init__(self) -> None:
         if self.ray_remote_args is None:  # the loader's default
@@ -85,6 +92,9 @@ class DpexConfig:
                 or not self.warm_worker_timeout >= 0):
             raise ValueError("warm_worker_timeout must be a number of seconds >= 0 (0: no "
                              f"reuse), got {self.warm_worker_timeout!r}")
+        if self.worker_seeding not in WORKER_SEEDINGS:
+            raise ValueError(f"worker_seeding must be one of {WORKER_SEEDINGS}, got "
+                             f"{self.worker_seeding!r}")
         if self.worker_pool is not None:
             if not isinstance(self.worker_pool, str) or not self.worker_pool:
                 raise ValueError(f"worker_pool must be a fleet's name, got {self.worker_pool!r}")

@@ -57,3 +57,8 @@ class WorkerSpec:
     # How many recent batches' RNG states the worker keeps for state_dict() (its share
     # of the prefetch window, and some); 0 keeps none.
     rng_keep: int = 0
+    # worker_seeding="per_batch": (epochs this base seed served before this iterator's
+    # first, batches of that first epoch yielded before it: a resumed epoch's), so that
+    # batch ``seq`` of epoch ``e`` is seeded from (base_seed, epochs_before + e,
+    # seq + (skip if e == 1 else 0)), what the uninterrupted run seeded it from.
+    batch_seeds: tuple[int, int] | None = None

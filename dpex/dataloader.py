@@ -61,6 +61,9 @@ class DpexDataLoader(DataLoader[T_co]):
     - ``shm_ring_bytes`` (default 64 MiB): a worker on this process's Ray node
       writes its batches into a shared-memory ring of this size instead of
       sending them over a socket; ``0`` turns this fast path off.
+    - ``worker_seeding`` (default ``"torch"``): ``"per_batch"`` seeds every batch
+      from which batch it is, so it is the same whichever worker, and however many,
+      computed it (docs/AUTOSCALE.md).
 
     The batches, their order, seeds and ``get_worker_info()`` inside workers are
     those torch gives for the same arguments and generator.
@@ -96,6 +99,7 @@ class DpexDataLoader(DataLoader[T_co]):
         worker_pool: str | None = None,
         lost_batch_timeout: float | None = None,
         warm_worker_timeout: float = 60.0,
+        worker_seeding: str = "torch",
     ) -> None:
         if isinstance(batch_size, bool):
             raise TypeError(
@@ -104,6 +108,11 @@ class DpexDataLoader(DataLoader[T_co]):
             )
         arguments = locals()
         config = DpexConfig(**{name: arguments[name] for name in _DPEX_ARGUMENTS})
+        if config.worker_seeding != "torch" and not (distribute_mode and num_workers > 0):
+            raise ValueError(
+                f"worker_seeding={config.worker_seeding!r} seeds dpex's workers "
+                "(distribute_mode=True, num_workers > 0); torch's own loader seeds each "
+                "worker once: leave worker_seeding='torch' for it")
         # Public attributes named like the parameters: frameworks (Lightning) rebuild the
         # loader from them, so they must exist under exactly these names.
         for name in _DPEX_ARGUMENTS:

@@ -62,6 +62,22 @@ class SeedProbe(Dataset):
         }
 
 
+class Augmented(Dataset):
+    """A random augmentation per sample, drawn from torch, ``random`` and NumPy's global
+    RNGs (what transforms use): the batch depends on where the worker's RNG stands."""
+
+    def __init__(self, n: int = 40, max_sleep: float = 0.002) -> None:
+        self.n, self.max_sleep = n, max_sleep
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        jitter(self.max_sleep)
+        return {"i": i, "crop": torch.randint(0, 100, (2,)), "flip": random.random() < 0.5,
+                "noise": float(np.random.normal())}
+
+
 def mark_init(worker_id: int) -> None:
     os.environ["DPEX_TEST_INIT"] = os.environ.get("DPEX_TEST_INIT", "") + f"{worker_id},"
 

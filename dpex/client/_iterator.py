@@ -163,6 +163,15 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         if shards is not None:
             self._resume_first_worker = shards["next_worker"]
         iterable = self._dataset_kind == _DatasetKind.Iterable
+        # worker_seeding="per_batch": each batch seeded from which batch it is, so a
+        # map-style worker's RNG states need not be kept, asked for or restored.
+        self._per_batch = config.worker_seeding == "per_batch"
+        self._epochs_before = plan.epochs_before if plan is not None else 0
+        batch_seeds = (self._epochs_before, plan.skip if plan is not None and plan.armed
+                       else 0) if self._per_batch else None
+        keep_rng = not (self._per_batch and not iterable)
+        if not keep_rng:
+            rng = {}
         self._taken = TakenRecord(self._num_workers, iterable,
                                   iterable and stateful_dataset(self._dataset), shards)
         self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
@@ -179,7 +188,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                     niceness=os.getpriority(os.PRIO_PROCESS, 0),
                     shared_seed=self._shared_seed, ring=self._new_ring(w),
                     pooled=config.worker_pool is not None,
-                    rng_state=rng.get(w), rng_keep=window + 2,
+                    rng_state=rng.get(w), rng_keep=window + 2 if keep_rng else 0,
+                    batch_seeds=batch_seeds,
                 )
                 for w in range(self._num_workers)
             ]
@@ -415,8 +425,16 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         ) from exit_.error
 
     def resume_points(self, mid_epoch: bool) -> dict[int, tuple[int, int]]:
-        """See :meth:`TakenRecord.resume_points`."""
+        """See :meth:`TakenRecord.resume_points` (none with per-batch seeding of a
+        map-style dataset: its workers' RNG states say nothing about later batches)."""
+        if self._per_batch and self._dataset_kind != _DatasetKind.Iterable:
+            return {}
         return self._taken.resume_points(self._sched.epoch, mid_epoch)
+
+    @property
+    def epochs_served(self) -> int:
+        """Epochs begun with this iterator's base seed, a resumed run's before it included."""
+        return self._epochs_before + self._sched.epoch
 
     def shard_positions(self) -> dict:
         """See :meth:`TakenRecord.shard_positions` (for ``state_dict()``)."""

@@ -98,6 +98,9 @@ class ResumePlan:
     worker_rng: dict[int, Any] | None = None
     worker_rng_num_workers: int = 0
     iterable: dict | None = None  # an IterableDataset's shard positions (mid-epoch)
+    # Epochs the saved iterator's base seed served before the one resumed (persistent
+    # workers): worker_seeding="per_batch" seeds each batch from it (see _spec.py).
+    epochs_before: int = 0
 
     def worker_rng_fits(self, num_workers: int) -> bool:
         """Whether the saved workers' RNG states apply: with another worker count each
@@ -248,6 +251,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         "mid_epoch": False, "yielded": 0, "sampler_rng": None, "base_rng": None,
         "sampler_draw_rng": None, "iterator_rng": None, "sampler_state": None,
         "worker_rng": None, "worker_rng_num_workers": 0, "iterable": None,
+        "epochs_before": 0,
     }
 
     def boundary() -> dict:
@@ -265,6 +269,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     if pending is not None:  # still where the loaded state left off
         state.update(iterator_rng=pending.iterator_rng, worker_rng=pending.worker_rng,
                      worker_rng_num_workers=pending.worker_rng_num_workers,
+                     epochs_before=pending.epochs_before,
                      iterable=pending.iterable if pending.armed else None)
         if not pending.armed:
             return Position(boundary())
@@ -282,6 +287,8 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     if finished and not persistent:
         return Position(boundary())  # the next epoch: a new iterator, from generators now
     state["iterator_rng"] = iterator._dpex_iterator_rng  # its base seed, drawn again
+    # (a persistent iterator's next epoch is its base seed's next one)
+    state["epochs_before"] = max(0, getattr(iterator, "epochs_served", 0) - (not finished))
     position = Position(boundary() if finished else state)
     dpex_workers = callable(getattr(iterator, "worker_rng_states", None))
     if dpex_workers:
@@ -390,7 +397,8 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
                       sampler_state=state["sampler_state"], armed=state["mid_epoch"],
                       worker_rng=worker_rng,
                       worker_rng_num_workers=state["worker_rng_num_workers"],
-                      iterable=state["iterable"])
+                      iterable=state["iterable"],
+                      epochs_before=state.get("epochs_before", 0))
 
 
 @contextlib.contextmanager

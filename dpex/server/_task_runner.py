@@ -10,8 +10,10 @@ from __future__ import annotations
 import collections
 import copy
 import ctypes
+import hashlib
 import logging
 import random
+import struct
 import sys
 import threading
 from typing import Any
@@ -29,7 +31,7 @@ from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
 
-__all__ = ["TaskRunner"]
+__all__ = ["TaskRunner", "batch_seed", "seed_batch"]
 
 logger = logging.getLogger("dpex")
 
@@ -44,6 +46,23 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
         return seed
     np.random.seed(torch_worker._generate_state(base_seed, worker_id))
     return seed
+
+
+def batch_seed(base_seed: int, epoch: int, position: int) -> bytes:
+    """worker_seeding="per_batch": 32 bytes that depend only on which batch this is
+    (the iterator's base seed, the epoch it serves, the batch's place in the epoch)."""
+    return hashlib.blake2b(struct.pack("<Qqq", base_seed & (2**64 - 1), epoch, position),
+                           digest_size=32, person=b"dpex-batch-seed").digest()
+
+
+def seed_batch(digest: bytes) -> None:
+    """Seed torch, ``random`` and NumPy (where installed) from :func:`batch_seed`."""
+    seed = int.from_bytes(digest[:8], "little") >> 1  # torch takes up to 2**63 - 1 here
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(np.frombuffer(digest[8:24], dtype=np.uint32))
 
 
 _MT_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
@@ -237,6 +256,10 @@ class TaskRunner:
 
     def run_task(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         """Fetch and collate one batch; return the frames of its data message."""
+        if self.spec.batch_seeds is not None:
+            before, skip = self.spec.batch_seeds
+            seed_batch(batch_seed(self.spec.base_seed, before + epoch,
+                                  seq + (skip if epoch == 1 else 0)))
         frames = self._run_task(epoch, seq, indices)
         if self.spec.rng_keep:
             state = self._snapshot()
