@@ -14,6 +14,8 @@ from dpex.client._scheduler import (
     KillWorker,
     SendTasks,
     StartReplacement,
+    StartWorker,
+    StopWorker,
 )
 
 
@@ -200,7 +202,7 @@ class Sim:
     """Workers that compute their tasks in order, a network that drops, duplicates and
     delays results, deaths reported late by Ray, replacements that start late."""
 
-    def __init__(self, rng, num_workers, prefetch, iterable=False, shard=0):
+    def __init__(self, rng, num_workers, prefetch, iterable=False, shard=0, elastic=False):
         self.rng, self.clock = rng, Clock()
         self.s = EpochScheduler(num_workers, prefetch, iterable=iterable, max_restarts=10**6,
                                 lost_timeout=5.0, clock=self.clock)
@@ -212,14 +214,27 @@ class Sim:
         self.transit = [collections.deque() for _ in range(num_workers)]
         self.made = [0] * num_workers  # an IterableDataset worker's place in its shard
         self.skip = [None] * num_workers
+        self.elastic, self.retired, self.stopped = elastic, False, set()
 
     def apply(self, actions):
         ledger = self.s.ledger
         for w in range(len(self.inc)):
             assert ledger.pending(w) == len(ledger.outstanding(w))
         for a in actions:
-            assert self.s.in_flight <= self.s.capacity
-            if isinstance(a, SendTasks):
+            # (a retirement shrinks the window; the excess drains as the loop takes)
+            assert self.s.in_flight <= self.s.capacity or self.retired
+            if isinstance(a, StartWorker):
+                assert a.worker_id == len(self.inc)
+                for column, value in ((self.inc, 0), (self.ready, False), (self.made, 0),
+                                      (self.skip, None)):
+                    column.append(value)
+                self.queue.append(collections.deque())
+                self.transit.append(collections.deque())
+            elif isinstance(a, StopWorker):  # its session ends; Ray reports that later
+                assert not self.s.ledger.pending(a.worker_id)
+                self.stopped.add(a.worker_id)
+                self.kill(a.worker_id)
+            elif isinstance(a, SendTasks):
                 if a.worker_id not in self.dead:  # else lost with the dead actor
                     self.queue[a.worker_id].extend((a.epoch, seq, idx) for seq, idx in a.tasks)
             elif isinstance(a, StartReplacement):
@@ -258,6 +273,12 @@ class Sim:
     def step(self):
         rng, s, n = self.rng, self.s, len(self.inc)
         self.clock.now += 0.05
+        if self.elastic and rng.random() < 0.01:  # the autoscaler adds or retires one
+            if rng.random() < 0.5 and len(s.workers.accepting()) < 6:
+                self.apply(s.add_worker(self.draw))
+            elif len(s.workers.accepting()) > 1:
+                self.retired = True
+                self.apply(s.retire_worker(rng.choice(s.workers.accepting()).id))
         r = rng.random()
         w = rng.randrange(n)
         if r < 0.30:  # a worker computes a task; the result is lost, doubled or sent
@@ -271,7 +292,8 @@ class Sim:
         elif r < 0.55:  # some results arrive (each worker's in order)
             out = [self.transit[w].popleft() for _ in range(rng.randint(0, len(self.transit[w])))]
             self.apply(s.results(out))
-        elif r < 0.57 and w not in self.dead and s.workers[w].known is not None:
+        elif r < 0.57 and w not in self.dead and s.workers[w].known is not None and (
+                not s.workers[w].gone):
             self.kill(w)  # (a first start that dies before HELLO is fatal: not here)
         elif r < 0.62 and w in self.dead:  # Ray reports the death
             self.apply(s.exited(w, self.inc[w]))
@@ -288,6 +310,7 @@ class Sim:
 
     def epoch(self, batches, limit=200_000):
         self.draw = draw_from(batches)
+        self.retired = False
         self.apply(self.s.start_epoch(self.draw))
         out = []
         for _ in range(limit):
@@ -306,6 +329,89 @@ def test_scrambled_arrivals_losses_deaths_and_restarts_still_give_the_exact_epoc
     for _ in range(3):  # results of an earlier epoch may still be on the way
         batches = [[i, rng.random()] for i in range(rng.randint(0, 40))]
         assert sim.epoch(batches) == batches
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_workers_added_and_retired_mid_epoch_leave_every_epoch_exact(seed):
+    rng = random.Random(seed)
+    sim = Sim(rng, num_workers=rng.randint(1, 3), prefetch=rng.randint(1, 3), elastic=True)
+    for _ in range(3):
+        batches = [[i, rng.random()] for i in range(rng.randint(0, 60))]
+        assert sim.epoch(batches) == batches
+    assert sim.s.counters["added"] + sim.s.counters["retired"] > 0 or seed % 10 == 0
+
+
+def test_an_added_worker_takes_tasks_once_ready_and_its_credit_serves_the_others_meanwhile():
+    s, draw = EpochScheduler(1, 2), draw_from([[i] for i in range(20)])
+    s.start_epoch(draw)
+    s.ready(0, {})
+    actions = s.add_worker(draw)
+    assert actions[0] == StartWorker(1) and s.capacity == 4 and s.in_flight == 4
+    assert sends(actions[1:]) == {(0, (2, 3))}  # worker 1 is starting: to worker 0
+    s.ready(1, {})
+    s.results([msg(1, 0, 0)])
+    _, actions = s.take(draw)  # slot 4: worker 1's turn, and it is idle: sent at once
+    assert sends(actions) == {(1, (4,))}
+
+
+def test_a_retired_worker_finishes_what_it_holds_gets_nothing_new_and_is_then_stopped():
+    s, draw = EpochScheduler(2, 2), draw_from([[i] for i in range(20)])
+    s.start_epoch(draw)  # worker 0: 0, 2; worker 1: 1, 3
+    s.ready(0, {})
+    s.ready(1, {})
+    assert s.retire_worker(1) == [] and s.capacity == 2
+    assert s.workers[1].retiring and not s.workers[1].gone
+    s.results([msg(1, 0, 0), msg(1, 1, 1)])
+    got, actions = s.take(draw)
+    assert got.seq == 0 and actions == []  # 4 in flight, over the shrunk window: no draw
+    assert s.results([msg(1, 3, 1)]) == [StopWorker(1)] and s.workers[1].gone
+    assert s.exited(1, 0) == []  # its end was expected: no replacement
+    for _ in range(2):
+        s.take(draw)
+    s.results([msg(1, 2, 0)])
+    s.take(draw)
+    _, actions = s.take(draw)
+    assert {w for w, _ in sends(actions)} == {0}
+    with pytest.raises(ValueError, match="last worker"):
+        s.retire_worker(0)
+
+
+def test_a_retired_workers_queued_tasks_go_to_the_others_at_once():
+    s, draw = EpochScheduler(2, 3), draw_from([[i] for i in range(20)])
+    s.start_epoch(draw)  # worker 0: 0, 2, 4; worker 1: 1, 3, 5
+    s.ready(0, {})
+    s.ready(1, {})
+    s.results([msg(1, 0, 0), msg(1, 1, 1)])
+    s.take(draw)
+    s.take(draw)  # 6 (worker 0) and 7 (worker 1) drawn, queued: a group is 3
+    assert s._unsent == {0: [(6, [6])], 1: [(7, [7])]}
+    actions = s.retire_worker(1)
+    assert s.ledger.worker_of(7) == 0 and sends(actions) == {(0, (6, 7))}
+    assert s.ledger.outstanding(1) == [(3, [3]), (5, [5])]  # sent to it: it finishes them
+
+
+def test_a_worker_that_dies_while_retiring_or_never_starts_after_being_added_is_not_replaced():
+    s, draw = EpochScheduler(2, 2), draw_from([[i] for i in range(20)])
+    s.start_epoch(draw)
+    s.ready(0, {})
+    s.ready(1, {})
+    s.retire_worker(1)
+    actions = s.exited(1, 0, cause="RayActorError")
+    assert sends(actions) == {(0, (1, 3))} and s.counters["retired_died"] == 1
+    assert not any(isinstance(a, (StartReplacement, Fatal)) for a in actions)
+    actions = s.add_worker(draw)
+    assert actions[0] == StartWorker(2)
+    actions = s.exited(2, 0, startup_error=True)  # an added worker's start failed: not fatal
+    assert not any(isinstance(a, Fatal) for a in actions) and s.counters["add_failed"] == 1
+    assert s.workers[2].gone and s.ledger.pending(2) == 0
+
+
+def test_an_iterable_datasets_worker_count_is_fixed():
+    s = EpochScheduler(2, 2, iterable=True)
+    with pytest.raises(ValueError, match="IterableDataset's worker count is fixed"):
+        s.add_worker(NONE)
+    with pytest.raises(ValueError, match="IterableDataset's worker count is fixed"):
+        s.retire_worker(1)
 
 
 @pytest.mark.parametrize("seed", range(20))

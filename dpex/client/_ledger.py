@@ -33,6 +33,12 @@ class TaskLedger:
         self._pending = [0] * self.num_workers  # dispatched, not yet received
         self._delivered = [0] * self.num_workers
 
+    def add_worker(self) -> None:
+        """One more worker id (the next one)."""
+        self.num_workers += 1
+        for counts in (self._held, self._pending, self._delivered):
+            counts.append(0)
+
     def dispatch(self, seq: int, worker_id: int, indices: Any) -> None:
         if seq in self._worker:
             raise ValueError(f"task {seq} was already dispatched")

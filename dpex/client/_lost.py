@@ -34,6 +34,10 @@ class LossWatch:
     def new_epoch(self) -> None:
         self._order.clear()
 
+    def add_worker(self) -> None:
+        """One more worker id (the next one), silent from now."""
+        self._progress.append(self.clock())
+
     def sent(self, seq: int, worker_id: int | None = None) -> None:
         """``seq`` was sent (again); to an idle ``worker_id``, whose clock starts now."""
         self._order[seq] = next(self._sends)

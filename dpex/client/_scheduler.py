@@ -16,7 +16,18 @@ event                      actions it may return
 ``exited(w, ...)``         ``Fatal``, or ``StartReplacement`` then ``Control``
                            (SKIP) and ``SendTasks``
 ``check_lost()``           ``SendTasks`` / ``KillWorker`` for silent workers
+``add_worker(draw)``       ``StartWorker``, ``SendTasks`` for the credit it adds
+``retire_worker(draw)``    ``SendTasks`` (its queued tasks, to others), later
+                           ``StopWorker`` once it holds nothing
 =========================  ===================================================
+
+The worker set is elastic for a map-style dataset: a worker added during an epoch
+takes tasks once it is ready (its credits serve the others until then); a retired
+one takes no new task, finishes those it holds and is then stopped, and if it dies
+first they go to the others. Which worker computes a batch never changes the batch
+(``worker_seeding="per_batch"``, or a dataset that draws nothing from the worker's
+RNG), so the epoch is unchanged. An IterableDataset's shards are per worker: its
+worker count is fixed.
 
 Invariants (tests/test_scheduler.py checks them, one test drives the scheduler
 with scrambled arrivals, duplicates, losses, deaths and restarts):
@@ -24,8 +35,9 @@ with scrambled arrivals, duplicates, losses, deaths and restarts):
 1. Each epoch hands the training loop slots 0, 1, ... in order (``in_order``)
    and each exactly once, whatever the order and duplication of arrivals.
 2. ``in_flight`` (dispatched and not taken) never exceeds ``capacity``
-   (``prefetch_factor × num_workers``); it is the ledger's count of live tasks,
-   not a counter kept beside it.
+   (``prefetch_factor ×`` the workers that take tasks; after a retirement until
+   the training loop has taken the excess); it is the ledger's count of live
+   tasks, not a counter kept beside it.
 3. A result counts only if it is of the current epoch, its task is outstanding,
    its sender is the current incarnation of its worker id (the header says,
    whatever the transport) and, for an IterableDataset, it comes from the task's
@@ -43,7 +55,6 @@ with scrambled arrivals, duplicates, losses, deaths and restarts):
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +67,7 @@ from dpex.client._ordering import OrderingBuffer
 from dpex.client._worker_table import Recovery, WorkerTable, recovery
 
 __all__ = ["EpochScheduler", "SendTasks", "Control", "StartReplacement", "KillWorker", "Fatal",
-           "EPOCH_END"]
+           "StartWorker", "StopWorker", "EPOCH_END"]
 
 EPOCH_END = object()  # what take() returns once the epoch has nothing more
 
@@ -86,6 +97,18 @@ class StartReplacement:
 
 
 @dataclass(frozen=True)
+class StartWorker:
+    """Start a new worker with this (new) id; it says HELLO when ready."""
+    worker_id: int
+
+
+@dataclass(frozen=True)
+class StopWorker:
+    """A retired worker holds no task any more: end its session (its exit is expected)."""
+    worker_id: int
+
+
+@dataclass(frozen=True)
 class KillWorker:
     """End a worker presumed broken; its exit comes back as ``exited``."""
     worker_id: int
@@ -104,10 +127,11 @@ class EpochScheduler:
                  iterable: bool = False, max_restarts: int = 3,
                  lost_timeout: float | None = None, lost_floor: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.capacity = prefetch_factor * num_workers
-        if self.capacity < 1:
-            raise ValueError(f"credit window capacity must be >= 1, got {self.capacity}")
-        self.num_workers, self.in_order, self.iterable = num_workers, in_order, iterable
+        if prefetch_factor * num_workers < 1:
+            raise ValueError("credit window capacity must be >= 1, got "
+                             f"{prefetch_factor * num_workers}")
+        self.prefetch_factor = prefetch_factor
+        self.in_order, self.iterable = in_order, iterable
         self.max_restarts = max_restarts
         self.clock = clock
         self.workers = WorkerTable(num_workers)
@@ -118,15 +142,33 @@ class EpochScheduler:
         self.recoveries: list[dict] = []  # one per restart: when reported, when ready
         self.epoch = 0
         self._sent = 0  # the next seq
-        self._cycle = itertools.cycle(range(num_workers))
+        self._turn = 0  # the worker id whose turn is next (torch's round robin)
         self._out: list[Any] = []
         # Tasks drawn (at torch's moment: one per slot taken) but not yet sent. They go
         # out in groups, so the loop thread wakes once per group, not once per batch:
         # when ``group`` have gathered, when a worker has nothing else to do, or when
         # the training loop is about to wait for the one slot that is unsent.
-        self.group = max(1, self.capacity // 2)
         self._unsent: dict[int, list[tuple[int, Any]]] = {}
         self._skipped: dict[int, int] = {}  # a resumed epoch's batches delivered before
+        # Each worker's time per batch, measured here: from when it could start a task
+        # (sent, its previous result in, or ready) to the result (the autoscaler's input).
+        self.batch_times: collections.deque[float] = collections.deque(maxlen=64)
+        self._sent_at: dict[int, float] = {}
+        self._free_at: dict[int, float] = {}
+
+    @property
+    def num_workers(self) -> int:
+        """The workers that take tasks now (the ids run higher once some retired)."""
+        return len(self.workers.accepting())
+
+    @property
+    def capacity(self) -> int:
+        """The credit window: ``prefetch_factor`` per worker that takes tasks."""
+        return self.prefetch_factor * max(1, self.num_workers)
+
+    @property
+    def group(self) -> int:
+        return max(1, self.capacity // 2)
 
     @property
     def in_flight(self) -> int:
@@ -155,13 +197,12 @@ class EpochScheduler:
         self.ledger.reset()
         self.losses.new_epoch()
         self.workers.new_epoch()
-        self._cycle = itertools.cycle(range(self.num_workers))
-        for _ in range(first_worker % self.num_workers):
-            next(self._cycle)
+        self._turn = first_worker % len(self.workers)
         self._unsent = {}
+        self._sent_at = {}
         if self.epoch > 1:
-            self._out += [Control(w, Kind.RESUME, self.epoch, resume)
-                          for w in range(self.num_workers)]
+            self._out += [Control(r.id, Kind.RESUME, self.epoch, resume)
+                          for r in self.workers.live()]
         for w in ended:
             rec = self.workers[w]
             rec.active, rec.ended_seq = False, -1
@@ -177,11 +218,14 @@ class EpochScheduler:
         one holding fewer than its share of the window, so a slow worker cannot hoard it.
         A map-style dataset's replacement that is still starting is passed over while
         another worker can take the batch (an IterableDataset's shard is its worker's)."""
-        share = self.capacity // max(1, sum(r.active for r in self.workers.records))
+        share = self.capacity // max(1, sum(r.active and r.accepting
+                                            for r in self.workers.records))
         fallback = None
-        for _ in range(self.num_workers):
-            rec = self.workers[next(self._cycle)]
-            if rec.active and (self.in_order or self.ledger.held(rec.id) < share):
+        for _ in range(len(self.workers)):
+            rec = self.workers[self._turn]
+            self._turn = (self._turn + 1) % len(self.workers)
+            if rec.active and rec.accepting and (
+                    self.in_order or self.ledger.held(rec.id) < share):
                 if not rec.starting or self.iterable:
                     return rec.id
                 fallback = rec.id if fallback is None else fallback
@@ -218,10 +262,12 @@ class EpochScheduler:
         if only_if_needed and sum(map(len, self._unsent.values())) < self.group and not any(
                 self._starving(w) for w in self._unsent):
             return
+        now = self.clock()
         for w, tasks in self._unsent.items():
             idle = self._starving(w)
             for seq, _ in tasks:
                 self.losses.sent(seq, w if idle else None)
+                self._sent_at[seq] = now
                 idle = False
             self._out.append(SendTasks(w, self.epoch, tasks))
         self._unsent = {}
@@ -286,6 +332,12 @@ class EpochScheduler:
         # same batch, and the first copy to arrive counts.)
         fresh = self.ledger.received(msg.seq)
         self.workers[msg.worker_id].batches += fresh
+        if fresh and msg.worker_id == owner:
+            now = self.clock()
+            start = max(self._sent_at.pop(msg.seq, now), self._free_at.get(owner, now))
+            if start < now:
+                self.batch_times.append(now - start)
+            self._free_at[owner] = now
         if msg.worker_id == owner:  # a duplicate can overtake a loss too
             lost = self.losses.result(  # (nothing left to overtake: no sort per batch)
                 owner, msg.seq, self.ledger.outstanding(owner) if self.ledger.pending(owner) else [])
@@ -300,11 +352,15 @@ class EpochScheduler:
             rec.active, rec.ended_seq = False, msg.seq
         if not self.buffer.put(msg.seq, msg):
             self.counters["stale"] += 1
+        rec = self.workers[msg.worker_id]
+        if rec.retiring and not rec.gone and not self.ledger.pending(rec.id):
+            self._stop(rec.id)
 
     def ready(self, worker_id: int, info: dict) -> list[Any]:
         """The current incarnation of ``worker_id`` said HELLO."""
         rec = self.workers[worker_id]
         rec.info = rec.known = info
+        self._free_at[worker_id] = self.clock()
         if rec.first_ready_at is None:
             rec.first_ready_at = self.clock()
         self.losses.alive(worker_id)
@@ -318,8 +374,16 @@ class EpochScheduler:
                ) -> list[Any]:
         """A worker's actor ended (its ``serve`` call returned or failed)."""
         rec = self.workers[worker_id]
-        if incarnation != rec.incarnation:
-            return []  # a predecessor, replaced already
+        if incarnation != rec.incarnation or rec.gone:
+            return []  # a predecessor, replaced already; or a retired worker, stopped
+        if rec.retiring or (rec.added and rec.known is None):
+            # Died while retiring, or an added worker that never started: not replaced
+            # (the others hold the epoch); what it held goes to them.
+            self.counters["retired_died" if rec.retiring else "add_failed"] += 1
+            rec.retiring = True
+            self._unqueue(worker_id)
+            self._stop(worker_id, stopped=True)
+            return self._actions()
         decision = recovery(rec, startup_error=startup_error, unplaced=unplaced,
                             max_restarts=self.max_restarts)
         if decision is not Recovery.RESTART:
@@ -360,6 +424,70 @@ class EpochScheduler:
                 self.losses.sent(seq)
             self._out.append(SendTasks(w, self.epoch, tasks))
 
+    # -- an elastic worker set ------------------------------------------------------------
+
+    def add_worker(self, draw: Callable[[], Any]) -> list[Any]:
+        """One more worker (a new id): started at once, given tasks once ready; the
+        credit it adds serves the others meanwhile."""
+        if self.iterable:
+            raise ValueError("an IterableDataset's worker count is fixed: each worker "
+                             "iterates its own shard")
+        rec = self.workers.add()
+        self.ledger.add_worker()
+        self.losses.add_worker()
+        self.counters["added"] += 1
+        self._out.append(StartWorker(rec.id))
+        if self.epoch:
+            self._dispatch(draw, self.prefetch_factor)
+            self._flush(only_if_needed=True)
+        return self._actions()
+
+    def retire_worker(self, worker_id: int | None = None) -> list[Any]:
+        """Take a worker out (by default the newest): it gets no new task; the tasks
+        queued for it go to the others; it is stopped once it holds none."""
+        accepting = self.workers.accepting()
+        if self.iterable:
+            raise ValueError("an IterableDataset's worker count is fixed: each worker "
+                             "iterates its own shard")
+        if len(accepting) < 2:
+            raise ValueError("cannot retire the last worker that takes tasks")
+        rec = self.workers[worker_id] if worker_id is not None else max(
+            accepting, key=lambda r: (r.added, not r.ready, r.id))
+        if not rec.accepting:
+            raise ValueError(f"worker {rec.id} is retiring or gone already")
+        rec.retiring = True
+        self.counters["retired"] += 1
+        queued = {seq for seq, _ in self._unsent.pop(rec.id, [])}
+        for seq, _ in self.ledger.outstanding(rec.id):
+            if rec.ready and seq not in queued:
+                continue  # sent to it: it finishes that one
+            # Never sent, or sent to a worker that cannot start it yet: to the others.
+            v = self._least_held(exclude=rec.id)
+            self._unsent.setdefault(v, []).append((seq, self.ledger.reassign(seq, v)))
+        if not self.ledger.pending(rec.id):
+            self._stop(rec.id)
+        self._flush(only_if_needed=True)
+        return self._actions()
+
+    def _least_held(self, exclude: int) -> int:
+        others = [r for r in self.workers.accepting() if r.id != exclude and r.active]
+        ready = [r for r in others if r.ready] or others
+        return min(ready, key=lambda r: self.ledger.held(r.id)).id
+
+    def _stop(self, w: int, stopped: bool = False) -> None:
+        """``w`` (retiring) is gone; whatever it still held goes to the others."""
+        rec = self.workers[w]
+        rec.gone, rec.info = True, None
+        tasks = self.ledger.outstanding(w)
+        if tasks and not self._hand_over(w, tasks):
+            # No other worker is ready: to those starting (sent once they are).
+            for seq, _ in tasks:
+                v = self._least_held(exclude=w)
+                self.losses.sent(seq)
+                self._out.append(SendTasks(v, self.epoch, [(seq, self.ledger.reassign(seq, v))]))
+        if not stopped:
+            self._out.append(StopWorker(w))
+
     # -- lost batches -----------------------------------------------------------------
 
     def check_lost(self) -> list[Any]:
@@ -391,7 +519,7 @@ class EpochScheduler:
         """Give map-style ``tasks`` of ``w`` to the other ready workers at once; False if
         there is none (they wait for ``w``'s replacement)."""
         others = [r.id for r in self.workers.records
-                  if r.id != w and r.ready and r.active and r.id not in avoid]
+                  if r.id != w and r.ready and r.active and r.accepting and r.id not in avoid]
         if not others:
             if not keep_owner_if_alone:
                 return False

@@ -26,6 +26,9 @@ class WorkerRecord:
     ended_seq: int | None = None  # the slot of its END this epoch (IterableDataset)
     batches: int = 0  # its results that counted, this iterator
     first_ready_at: float | None = None
+    added: bool = False  # started during the iteration (elastic), not with it
+    retiring: bool = False  # takes no new task; stopped once it holds none
+    gone: bool = False  # retired (or its start given up): no longer one of the workers
 
     @property
     def ready(self) -> bool:
@@ -33,8 +36,14 @@ class WorkerRecord:
 
     @property
     def starting(self) -> bool:
-        """A replacement not ready yet (a first start is not a "replacement")."""
-        return self.incarnation > 0 and self.info is None
+        """A replacement, or a worker added during the iteration, not ready yet (the
+        first start of the iterator's own workers is not counted)."""
+        return (self.incarnation > 0 or self.added) and self.info is None
+
+    @property
+    def accepting(self) -> bool:
+        """One of the workers that new tasks may go to (not retiring nor gone)."""
+        return not (self.retiring or self.gone)
 
 
 class WorkerTable:
@@ -47,15 +56,28 @@ class WorkerTable:
     def __len__(self) -> int:
         return len(self.records)
 
+    def add(self) -> WorkerRecord:
+        """A new worker id (the next one: ids are never reused)."""
+        rec = WorkerRecord(len(self.records), added=True)
+        self.records.append(rec)
+        return rec
+
+    def live(self) -> list[WorkerRecord]:
+        """The workers not gone (retiring ones included)."""
+        return [r for r in self.records if not r.gone]
+
+    def accepting(self) -> list[WorkerRecord]:
+        return [r for r in self.records if r.accepting]
+
     def new_epoch(self) -> None:
         for rec in self.records:
-            rec.active, rec.tasks, rec.ended_seq = True, [], None
+            rec.active, rec.tasks, rec.ended_seq = not rec.gone, [], None
 
     def all_ready(self) -> bool:
-        return all(r.info is not None for r in self.records)
+        return all(r.info is not None for r in self.records if not r.gone)
 
     def ready_infos(self) -> dict[int, dict]:
-        return {r.id: r.info for r in self.records if r.info is not None}
+        return {r.id: r.info for r in self.records if r.info is not None and not r.gone}
 
     def known_infos(self) -> dict[int, dict]:
         return {r.id: r.known for r in self.records if r.known is not None}
