@@ -4,6 +4,7 @@
 torch's DataLoader would, computed by Ray actors and streamed over ZeroMQ.
 """
 
+from dpex._autoscale import Autoscale
 from dpex._config import DpexConfig
 from dpex._stats import LoaderStats, stats_prometheus
 from dpex._version import __version__
@@ -30,6 +31,7 @@ from dpex.errors import (
 
 __all__ = [
     "DpexDataLoader",
+    "Autoscale",
     "DpexConfig",
     "LoaderStats",
     "stats_prometheus",

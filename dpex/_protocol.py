@@ -116,6 +116,7 @@ class Message:
     payload: Any = None
     in_ring: bool = False  # a batch whose buffers (some or all) came through shared memory
     incarnation: int = 0  # the sender's
+    received_at: float | None = None  # time.monotonic() when the trainer's loop got it
 
 
 @dataclass(frozen=True)

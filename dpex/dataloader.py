@@ -368,6 +368,21 @@ class DpexDataLoader(DataLoader[T_co]):
                 persistent._shutdown_workers()
         self._resume_plan = plan
 
+    def scale_workers(self, n: int) -> None:
+        """Run ``n`` workers from now on: the live iterator adds or retires workers at
+        once (a map-style dataset's; nothing is lost or repeated, and the batches stay
+        exact, see docs/AUTOSCALE.md), and the next iterator starts with ``n``. With
+        ``num_workers=dpex.Autoscale(...)`` its autoscaler may change this later."""
+        if not self._distributed:
+            raise ValueError("scale_workers() changes dpex's workers (distribute_mode=True, "
+                             "num_workers > 0); torch's own loader has a fixed count")
+        iterator = self._latest() if self._latest is not None else None
+        if iterator is not None and not iterator.closed:
+            iterator.scale_to(n)
+        elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"scale_workers() takes a worker count >= 1, got {n!r}")
+        self._autoscale_workers = n
+
     def stats(self) -> LoaderStats:
         """Counters of the newest iterator, running or finished (``{}`` if there is none):
         the data-stall share (how much of the epoch the training loop waited for data),

@@ -26,6 +26,7 @@ from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind, _utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from dpex._addresses import node_address
+from dpex._autoscale import Autoscale
 from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Wire
@@ -35,6 +36,7 @@ from dpex._shm import RingRef
 from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._stats import LoaderStats, WorkerStats
 from dpex._version import local_versions
+from dpex.client._autoscaler import Autoscaler
 from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
 from dpex.client._scheduler import (
     EPOCH_END,
@@ -44,6 +46,8 @@ from dpex.client._scheduler import (
     KillWorker,
     SendTasks,
     StartReplacement,
+    StartWorker,
+    StopWorker,
 )
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
@@ -124,6 +128,20 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader: Any, config: DpexConfig, worker_class: type) -> None:
         super().__init__(loader)
         self._loader_ref = weakref.ref(loader)
+        # num_workers=dpex.Autoscale(...): start where this loader's last iterator ended
+        # (or at min); the worker set changes while it runs (map-style datasets only).
+        policy = loader.num_workers if isinstance(loader.num_workers, Autoscale) else None
+        if policy is not None:
+            if self._dataset_kind == _DatasetKind.Iterable:
+                raise ValueError(
+                    f"num_workers={policy!r} needs a map-style dataset: an IterableDataset's "
+                    "worker count is fixed, since each worker iterates its own shard; give "
+                    "it a number of workers")
+            last = loader.__dict__.get("_autoscale_workers") or policy.min
+            self._num_workers = max(policy.min, min(last, policy.max or last))
+        elif loader.__dict__.get("_autoscale_workers") and (
+                self._dataset_kind != _DatasetKind.Iterable):
+            self._num_workers = loader._autoscale_workers  # set by scale_workers()
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._startup_timeout = config.startup_timeout
@@ -209,6 +227,12 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             lost_floor=_LOST_FLOOR_ITERABLE_S if self._dataset_kind == _DatasetKind.Iterable
             else _LOST_FLOOR_S)
         self._lost_check_at = time.monotonic() + _LOST_CHECK_S
+        self._added_at: dict[int, float] = {}
+        self._waited_total, self._taken_total = 0.0, 0  # over the iterator's life
+        self._autoscaler: Autoscaler | None = None
+        if policy is not None:
+            most = policy.max or max(1, int(ray.cluster_resources().get("CPU", 1)))
+            self._autoscaler = Autoscaler(policy, most, time.monotonic())
         self._reset(loader, first_iter=True)
 
     # -- epochs and dispatch -------------------------------------------------
@@ -220,6 +244,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
             self._worker_shared_seed = self._shared_seed
         self._epoch_t0, self._epoch_end, self._wait_s = time.monotonic(), None, 0.0
+        if self._autoscaler is not None:  # (the time between epochs is not the loop's)
+            self._autoscaler.begin(self._epoch_t0, self._waited_total, self._taken_total)
         # The RESUME payload is the IterDataPipe seed of the new epoch (None otherwise).
         first_worker, self._resume_first_worker = self._resume_first_worker, 0
         self._taken.new_epoch()
@@ -243,6 +269,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 messages = []
             if isinstance(action, StartReplacement):
                 self._start_replacement(action.worker_id, action.incarnation)
+            elif isinstance(action, StartWorker):
+                self._start_worker(action.worker_id)
+            elif isinstance(action, StopWorker):
+                self._stop_worker(action.worker_id)
             elif isinstance(action, KillWorker):
                 self._runtime.workers.kill(action.worker_id)
             else:
@@ -285,6 +315,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         if self._runtime.closed and self._epoch_end is None:  # an ended epoch stays ended
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
         while True:
+            if self._autoscaler is not None:
+                self._autoscale()
             msg, actions = self._sched.take(self._next_index)
             self._apply(actions)
             if msg is EPOCH_END:
@@ -297,7 +329,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 try:
                     self._receive_one()
                 finally:
-                    self._wait_s += time.monotonic() - waited
+                    waited = time.monotonic() - waited
+                    self._wait_s += waited
+                    self._waited_total += waited
                 continue
             self._taken.took(msg)
             if msg.kind is Kind.END:
@@ -305,6 +339,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             if msg.kind is Kind.ERROR:
                 msg.payload.reraise()
             data = msg.payload
+            self._taken_total += 1
             if self._pin_memory:
                 data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
             return data
@@ -474,6 +509,83 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         return {**started, **{w: self._rng_replies[(w, *asked[w])].state if answered(w) else None
                               for w in asked}}
 
+    # -- an elastic worker set ------------------------------------------------
+
+    def scale_to(self, n: int) -> None:
+        """Run ``n`` workers from now on (map-style datasets): new ones take tasks once
+        ready; removed ones finish what they hold first. Nothing is lost or repeated."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"scale_to() takes a worker count >= 1, got {n!r}")
+        if self._dataset_kind == _DatasetKind.Iterable:
+            raise ValueError("an IterableDataset's worker count is fixed: each worker "
+                             "iterates its own shard")
+        if self._runtime.closed:
+            raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
+        while self._sched.num_workers < n:
+            self._apply(self._sched.add_worker(self._next_index))
+        while self._sched.num_workers > n:
+            self._apply(self._sched.retire_worker())
+        loader = self._loader_ref()
+        if loader is not None:  # the next iterator starts with as many
+            loader._autoscale_workers = n
+
+    def _autoscale(self) -> None:
+        """Once per ``interval``: ask the autoscaler, and carry out its decision."""
+        scaler = self._autoscaler
+        assert scaler is not None
+        now = time.monotonic()
+        window = scaler._window
+        if window is not None and now - window[0] < scaler.policy.interval:
+            return
+        if not self._sched.workers.all_ready():  # starting up: not the loop's pace yet
+            scaler.begin(now, self._waited_total, self._taken_total)
+            return
+        records = self._sched.workers.records
+        for rec in records:  # an added worker that never started is given up
+            if (rec.added and not rec.ready and not rec.gone and not rec.retiring
+                    and now - self._added_at.get(rec.id, now) > self._startup_timeout
+                    and self._sched.num_workers > 1):
+                logger.warning("dpex autoscale: worker %s did not start within %g s; "
+                               "given up", rec.id, self._startup_timeout)
+                self._apply(self._sched.retire_worker(rec.id))
+        times = sorted(self._sched.batch_times)
+        starting = sum(r.added and not r.ready and not r.gone for r in records)
+        workers = self._sched.num_workers
+        new = scaler.tick(now, self._waited_total, self._taken_total, workers, starting,
+                          times[len(times) // 2] if times else None, self._room())
+        if new is None or new == workers:
+            return
+        decision = scaler.decisions[-1]
+        logger.info("dpex autoscale: %d -> %d workers: %s", workers, new, decision["reason"])
+        self.scale_to(new)
+
+    def _room(self) -> int | None:
+        """How many more workers the cluster can place now (None: they reserve nothing,
+        so any number can; the autoscaler notices when they no longer help)."""
+        demand = getattr(self._runtime.workers, "demand", None)
+        if not demand:
+            return None
+        free = ray.available_resources()
+        return max(0, min(int(free.get(name, 0.0) // amount) for name, amount in demand.items()))
+
+    def _start_worker(self, w: int) -> None:
+        """Start an added worker (a new id), seeded as torch seeds worker ``w``."""
+        assert w == len(self._specs), (w, len(self._specs))
+        self._specs.append(dataclasses.replace(
+            self._specs[0], worker_id=w, incarnation=0, ring=self._new_ring(w),
+            shared_seed=self._worker_shared_seed, rng_state=None,
+            num_workers=self._sched.num_workers))
+        self._added_at[w] = time.monotonic()
+        self._runtime.workers.add(self._specs[w], self._shipped)
+
+    def _stop_worker(self, w: int) -> None:
+        """A retired worker holds nothing: end its session (its exit is expected)."""
+        self._runtime.workers.retire(w)
+        self._loop.call_soon(self._session.forget, w)
+        ring = self._specs[w].ring
+        if ring is not None:
+            self._loop.call_soon(self._session.retire_ring, ring.ring_id)
+
     def _start_replacement(self, w: int, incarnation: int) -> None:
         """Start a replacement with the same worker id (same seed, worker_init_fn run
         again); the scheduler sends it its tasks."""
@@ -563,7 +675,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             info["warm"] = rec.id in getattr(self._runtime.workers, "warm", ())
             up = now - rec.first_ready_at if rec.first_ready_at is not None else 0.0
             workers[rec.id] = {**info, "batches": rec.batches,
-                               "batches_per_s": rec.batches / up if up > 0 else 0.0}
+                               "batches_per_s": rec.batches / up if up > 0 else 0.0,
+                               "retired": rec.gone}
         return {
             "epoch": self._epoch,
             "epoch_s": epoch_s,
@@ -577,12 +690,15 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             **session,
             "dropped": dict(self._sched.counters),
             "recoveries": [dict(r) for r in self._sched.recoveries],
+            **({"autoscale": self._autoscaler.report(self._sched.num_workers)}
+               if self._autoscaler is not None else {}),
         }
 
     def __del__(self) -> None:
         # Dropped in the middle of an epoch (a loop left with `break`): the loader keeps
         # where it stood, for a state_dict() after the loop.
-        loader = self._loader_ref() if hasattr(self, "_loader_ref") else None
+        started = hasattr(self, "_loader_ref") and hasattr(self, "_runtime")
+        loader = self._loader_ref() if started else None
         if loader is not None and not self._runtime.closed:
             try:
                 loader._keep_position(self, ask_workers=False)

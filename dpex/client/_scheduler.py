@@ -333,7 +333,7 @@ class EpochScheduler:
         fresh = self.ledger.received(msg.seq)
         self.workers[msg.worker_id].batches += fresh
         if fresh and msg.worker_id == owner:
-            now = self.clock()
+            now = msg.received_at if msg.received_at is not None else self.clock()
             start = max(self._sent_at.pop(msg.seq, now), self._free_at.get(owner, now))
             if start < now:
                 self.batch_times.append(now - start)

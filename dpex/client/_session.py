@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import queue
+import time
 from typing import Any
 
 import zmq
@@ -149,7 +151,8 @@ class TrainerSession:
             return
         self.received += 1
         self.received_in_ring += msg.in_ring
-        ready.append(msg)
+        # When it came: the training thread may see it much later (busy with a step).
+        ready.append(dataclasses.replace(msg, received_at=time.monotonic()))
 
     async def _ping(self) -> None:
         """Tell every ready worker this trainer lives (a fleet worker frees a session
@@ -207,6 +210,11 @@ class TrainerSession:
         self._ready.discard(worker_id)
         self._pending.pop(worker_id, None)
         self._ctrl_seq.pop(worker_id, None)
+
+    def forget(self, worker_id: int) -> None:
+        """A retired worker: no more pings, nothing held for it."""
+        self._ready.discard(worker_id)
+        self._pending.pop(worker_id, None)
 
     def _send(self, worker_id: int, frames: list[bytes]) -> None:
         # Through the asyncio socket, never a shadow of it: a send on a shadow consumes

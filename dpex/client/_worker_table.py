@@ -74,7 +74,9 @@ class WorkerTable:
             rec.active, rec.tasks, rec.ended_seq = not rec.gone, [], None
 
     def all_ready(self) -> bool:
-        return all(r.info is not None for r in self.records if not r.gone)
+        """The iterator's own workers are ready (one added while it runs is waited for
+        by nobody: its credit serves the others until it is)."""
+        return all(r.info is not None for r in self.records if not (r.gone or r.added))
 
     def ready_infos(self) -> dict[int, dict]:
         return {r.id: r.info for r in self.records if r.info is not None and not r.gone}

@@ -103,6 +103,10 @@ class WorkerGroup:
         self._key = _options_key(self.options)
         self._calls: dict[int, Any] = {}  # each worker's serve call
         self.warm: set[int] = set()  # worker ids whose session runs on a warm worker
+        # Workers added while the iterator runs (elastic), served as a session of their
+        # own (a process forked in ~0.1 s) on an actor of this group: guest -> host id.
+        self._guests: dict[int, int] = {}
+        self._parked: list[Any] = []  # retired hosts whose actor still serves guests
         self._stopped = False
         with _groups_lock:
             _GROUPS.add(self)
@@ -126,6 +130,10 @@ class WorkerGroup:
             if node is not None:
                 options["scheduling_strategy"] = _cluster.on_node(node)
             actor = self._actor_class.options(**options).remote(warm=self.keep_s > 0)
+        self._serve(actor, spec, shipped, node)
+
+    def _serve(self, actor: Any, spec: WorkerSpec, shipped: ray.ObjectRef,
+               node: str | None) -> None:
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
         ref = actor.serve.remote(spec, shipped)
@@ -135,9 +143,77 @@ class WorkerGroup:
         ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
                                                     spec.incarnation))
 
+    def add(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+        """Start one more worker (a new id) on the node spreading picks: as a session of
+        its own on an actor of this group there (forked in ~0.1 s instead of an actor
+        start's seconds), or on a new actor where the group has none (or reserves)."""
+        if self._stopped:
+            return
+        node = _nodes_for(1)[0] if not self.reserving else None
+        hosts = [w for w in self.actors if w not in self._guests
+                 and (node is None or self.nodes.get(w) == node)] if self.keep_s > 0 else []
+        if not hosts:
+            self._start_one(spec, shipped, node)
+            return
+        guests = Counter(self._guests.values())
+        host = min(hosts, key=lambda w: guests[w])
+        self._guests[spec.worker_id] = host
+        self.warm.add(spec.worker_id)
+        self._serve(self.actors[host], dataclasses.replace(spec, pooled=True), shipped,
+                    self.nodes.get(host))
+
+    def _end_guest(self, worker_id: int) -> None:
+        """End a guest's session (its host actor serves on)."""
+        self._guests.pop(worker_id, None)
+        self.actors.pop(worker_id, None)
+        self.nodes.pop(worker_id, None)
+        self.warm.discard(worker_id)
+        ref = self._calls.pop(worker_id, None)
+        if ref is not None and ray.is_initialized():
+            try:
+                ray.cancel(ref)  # an async actor's task: its session process is ended
+            except Exception:
+                pass  # already finished
+
+    def retire(self, worker_id: int) -> None:
+        """End one worker's session (a retired worker): a guest's on its host; else its
+        process goes to the warm pool, as at ``stop()``, or is killed."""
+        if worker_id in self._guests:
+            self._end_guest(worker_id)
+            return
+        actor = self.actors.pop(worker_id, None)
+        ref = self._calls.pop(worker_id, None)
+        node = self.nodes.pop(worker_id, None)
+        self.warm.discard(worker_id)
+        if actor is None or self._stopped or not ray.is_initialized():
+            return
+        if worker_id in self._guests.values():  # it hosts others: end its session only
+            self._parked.append(actor)
+            if ref is not None:
+                try:
+                    ray.cancel(ref)
+                except Exception:
+                    pass
+            return
+        if self.keep_s > 0 and ref is not None:
+            try:
+                ray.cancel(ref)
+            except Exception:
+                pass  # finished already, or gone (the pool finds out)
+            POOL.give_back(actor, ref, self._key, node, self.keep_s)
+            return
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass  # already gone
+
     def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
         """Replace the actor of ``spec.worker_id`` (killing the old one if it lingers)."""
         if self._stopped:
+            return
+        if spec.worker_id in self._guests:  # a guest: its host (if alive) serves on
+            self._end_guest(spec.worker_id)
+            self.add(spec, shipped)
             return
         old = self.actors.get(spec.worker_id)
         if old is not None:
@@ -151,6 +227,13 @@ class WorkerGroup:
 
     def kill(self, worker_id: int) -> None:
         """End a worker presumed broken; Ray reports its exit (and the iterator replaces it)."""
+        if worker_id in self._guests:
+            ref = self._calls.get(worker_id)
+            try:
+                ray.cancel(ref)  # its session only: the host serves others
+            except Exception:
+                pass
+            return
         actor = self.actors.get(worker_id)
         if actor is not None and not self._stopped:
             try:
@@ -192,6 +275,13 @@ class WorkerGroup:
         self._stopped = True
         if not ray.is_initialized():
             return
+        for worker_id in list(self._guests):  # first: then their hosts are idle
+            self._end_guest(worker_id)
+        for actor in self._parked:
+            try:
+                ray.kill(actor, no_restart=True)  # a retired host (never reused)
+            except Exception:
+                pass
         for worker_id, actor in self.actors.items():
             ref = self._calls.get(worker_id)
             if self.keep_s > 0 and ref is not None:
@@ -292,6 +382,16 @@ class FleetGroup:
         """End this iterator's session on a worker presumed broken (the fleet's process
         lives on); its exit is reported and the iterator replaces it."""
         self._cancel(worker_id)
+
+    def add(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+        """One more session, on the least busy fleet worker."""
+        if not self._stopped:
+            self._start_one(spec, shipped, choose_workers(self.fleet, 1)[0])
+
+    def retire(self, worker_id: int) -> None:
+        """End a retired worker's session (the fleet worker lives on)."""
+        self._cancel(worker_id)
+        self.actors.pop(worker_id, None)
 
     @property
     def stopped(self) -> bool:

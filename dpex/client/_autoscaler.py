@@ -1,0 +1,152 @@
+"""When to add or remove workers (``num_workers=dpex.Autoscale(...)``): pure, no I/O.
+
+Every ``interval`` the iterator reports the training loop's cumulative time waiting
+for data and batches taken, the workers' recent time per batch (measured by the
+scheduler: from when a worker could start a task to its result) and how many
+more workers the cluster can place. Over that window:
+
+- ``stall`` = time waited / time passed (the data-stall share);
+- ``step`` = the loop's own time per batch (time not waited / batches taken);
+- ``need`` = ``batch_s / step``: the workers that keep up with the loop.
+
+Rules (hysteresis: up fast, down slowly):
+
+1. ``stall > target``: go straight to ``need`` plus 15 % (at least one more), up
+   to ``max``, the room and a ceiling found earlier. Remember the loop's rate.
+2. The first window after a scale-up is its trial: if the loop's rate rose by less
+   than 30 % of what the added workers should have given (the workers compete for
+   the same CPUs, say), the ceiling is the old count and the workers go back to it.
+   The ceiling is tried again after ``_CEILING_WINDOWS`` windows.
+3. ``stall < target / 2`` for ``patience`` windows in a row: down to ``need`` plus
+   35 % if that is fewer, not under ``min``.
+4. No scale-up while ``need`` plus 15 % is no more than the workers there are (the
+   wait is elsewhere: more would not shorten it).
+5. No decision while added workers start, for two windows after a change, and in
+   the first window of an epoch.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+from dpex._autoscale import Autoscale
+
+__all__ = ["Autoscaler"]
+
+_UP_MARGIN = 0.15
+_DOWN_MARGIN = 0.35
+_GAIN = 0.3  # of the proportional gain a scale-up must show to be kept
+_HOLD_WINDOWS = 2
+_CEILING_WINDOWS = 30
+
+
+class Autoscaler:
+    def __init__(self, policy: Autoscale, most: int, now: float) -> None:
+        """``most``: the policy's ``max``, resolved (the cluster's CPUs if it has none)."""
+        self.policy, self.most = policy, max(policy.min, most)
+        self.started = now
+        self.history: collections.deque[dict] = collections.deque(maxlen=3600)
+        self.decisions: collections.deque[dict] = collections.deque(maxlen=200)
+        self._window: tuple[float, float, int] | None = None
+        self._calm = 0
+        self._hold = 0  # windows left before the next decision
+        self._trial: tuple[int, float] | None = None  # (workers before, loop rate before)
+        self._ceiling: tuple[int, float] | None = None  # (workers, until when)
+
+    def begin(self, now: float, waited: float, taken: int) -> None:
+        """Start a fresh window (a new epoch: the time between epochs is not the loop's).
+        Its first window only measures: the pipeline is still filling."""
+        self._window = (now, waited, taken)
+        self._hold = max(self._hold, 1)
+
+    def tick(self, now: float, waited: float, taken: int, workers: int, starting: int,
+             batch_s: float | None, room: int | None) -> int | None:
+        """The worker count to go to, or None to stay. ``waited``/``taken``: the loop's
+        cumulative wait (s) and batches; ``starting``: added workers not ready yet;
+        ``room``: how many more workers the cluster can place (None: no limit)."""
+        if self._window is None:
+            self.begin(now, waited, taken)
+            return None
+        t0, waited0, taken0 = self._window
+        span = now - t0
+        if span < self.policy.interval:
+            return None
+        self._window = (now, waited, taken)
+        stall = min(1.0, max(0.0, (waited - waited0) / span))
+        count = taken - taken0
+        rate = count / span
+        step = (span - (waited - waited0)) / count if count else None
+        need = batch_s / step if batch_s and step else None
+        self.history.append({"t": now - self.started, "workers": workers,
+                             "stall_share": stall, "batches_per_s": rate,
+                             "batch_s": batch_s, "step_s": step})
+        if starting:  # added workers not ready: nothing to judge yet
+            return None
+        if self._hold:
+            self._hold -= 1
+            return None
+        figures = {"stall_share": stall, "batch_s": batch_s, "step_s": step,
+                   "batches_per_s": rate, "need": need}
+        target = self.policy.target
+        trial, self._trial = self._trial, None
+        if trial is not None and stall > target and workers > trial[0]:
+            before, rate_before = trial
+            expected = rate_before * (1 + _GAIN * (workers - before) / before)
+            if rate < expected:
+                self._ceiling = (before, now + _CEILING_WINDOWS * self.policy.interval)
+                return self._decide(now, workers, before, figures, (
+                    f"{before} -> {workers} workers took the loop from {rate_before:.1f} to "
+                    f"only {rate:.1f} batches/s: more workers do not help here (they "
+                    f"compete for CPUs?); back to {before} for now"))
+        if self._ceiling is not None and now >= self._ceiling[1]:
+            self._ceiling = None
+        if stall > target:
+            self._calm = 0
+            if need is not None and need * (1 + _UP_MARGIN) <= workers:
+                return None  # enough by their batch times: the wait is elsewhere (a slow
+                # start, the transfer), and more workers would not shorten it
+            top = self.most if self._ceiling is None else min(self.most, self._ceiling[0])
+            if room is not None:
+                top = min(top, workers + room)
+            if workers >= top:
+                return None
+            want = workers * 2 if need is None else math.ceil(need * (1 + _UP_MARGIN))
+            new = min(top, max(workers + 1, want))
+            self._trial = (workers, rate)
+            return self._decide(now, workers, new, figures, (
+                f"the loop waited for data {stall:.0%} of the last {span:.1f} s (target "
+                f"{target:.0%}); {_explain(need, batch_s, step)}"))
+        self._calm = self._calm + 1 if stall < target / 2 else 0
+        if self._calm >= self.policy.patience and workers > self.policy.min:
+            want = workers - 1 if need is None else math.ceil(need * (1 + _DOWN_MARGIN))
+            new = max(self.policy.min, want)
+            self._calm = 0
+            if new >= workers:
+                return None  # calm because it has what it needs
+            return self._decide(now, workers, new, figures, (
+                f"the loop waited for data {stall:.0%} of its time for "
+                f"{self.policy.patience} measurements; {_explain(need, batch_s, step)}"))
+        return None
+
+    def _decide(self, now: float, old: int, new: int, figures: dict, reason: str) -> int:
+        self._hold = _HOLD_WINDOWS
+        self.decisions.append({"t": now - self.started, "from": old, "to": new,
+                               "reason": reason, **figures})
+        return new
+
+    def report(self, workers: int) -> dict[str, Any]:
+        """For ``loader.stats()["autoscale"]``."""
+        return {"min": self.policy.min, "max": self.most, "target": self.policy.target,
+                "workers": workers, "ceiling": None if self._ceiling is None
+                else self._ceiling[0], "decisions": [dict(d) for d in self.decisions],
+                "history": [dict(h) for h in self.history]}
+
+
+def _explain(need: float | None, batch_s: float | None, step: float | None) -> str:
+    if need is None:
+        return "no batch time measured yet"
+    assert batch_s is not None and step is not None
+    return (f"a batch takes a worker {batch_s * 1e3:.0f} ms and the loop {step * 1e3:.0f} "
+            f"ms: {need:.1f} workers keep up")

@@ -1,0 +1,240 @@
+"""Elastic workers and the autoscaler: the rules without Ray (a scripted loop), then
+live loaders whose worker set changes mid-epoch and still yield torch's batches."""
+
+import copy
+import os
+import pickle
+import signal
+import time
+
+import dsets
+import pytest
+import torch
+from dsets import assert_same
+
+from dpex import Autoscale, DpexDataLoader
+from dpex.client._autoscaler import Autoscaler
+
+# -- the type --------------------------------------------------------------------------
+
+
+def test_autoscale_is_an_int_that_survives_copies_pickles_and_rebuilds():
+    policy = Autoscale(2, 16, target=0.1, interval=0.5, patience=4)
+    assert policy == 2 and isinstance(policy, int) and range(policy) == range(2)
+    for twin in (copy.deepcopy(policy), pickle.loads(pickle.dumps(policy))):
+        assert type(twin) is Autoscale and repr(twin) == repr(policy)
+    loader = DpexDataLoader(dsets.Squares(), num_workers=policy, distribute_mode=True)
+    # Lightning re-creates a loader from its attributes: the policy comes along
+    rebuilt = DpexDataLoader(loader.dataset, num_workers=loader.num_workers,
+                             distribute_mode=loader.distribute_mode)
+    assert rebuilt.num_workers.max == 16 and rebuilt.prefetch_factor == 2
+    torch_twin = DpexDataLoader(dsets.Squares(), num_workers=policy)  # torch's: min workers
+    assert torch_twin._get_iterator()._num_workers == 2
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(min=0), "min"), (dict(min=3, max=2), "max"), (dict(target=1.5), "target"),
+    (dict(interval=0), "interval"), (dict(patience=0), "patience")])
+def test_bad_autoscale_settings_are_refused_by_name(bad, match):
+    with pytest.raises(ValueError, match=f"Autoscale\\({match}="):
+        Autoscale(**bad)
+
+
+# -- the rules ---------------------------------------------------------------------------
+
+
+class Loop:
+    """A scripted training loop: each window the loop waits ``stall`` of the time and
+    takes batches at ``rate``; workers take ``batch_s`` per batch."""
+
+    def __init__(self, policy, most=None, workers=None):
+        self.now, self.waited, self.taken = 100.0, 0.0, 0
+        self.workers = workers or policy.min
+        self.scaler = Autoscaler(policy, most or policy.max or 8, self.now)
+        self.scaler.begin(self.now, 0.0, 0)
+        assert self.window(stall=0.9, rate=1, batch_s=1.0) is None  # an epoch's first: filling
+
+    def window(self, stall, rate, batch_s, starting=0, room=None):
+        span = self.scaler.policy.interval
+        self.now += span
+        self.waited += stall * span
+        self.taken += round(rate * span)
+        new = self.scaler.tick(self.now, self.waited, self.taken, self.workers, starting,
+                               batch_s, room)
+        if new is not None:
+            self.workers = new
+        return new
+
+
+def test_a_stalled_loop_goes_straight_to_the_workers_it_needs_then_holds():
+    loop = Loop(Autoscale(1, 32))
+    # the loop's own step: (1 - 0.5) s / 10 batches = 50 ms; a batch takes 200 ms: 4 needed
+    assert loop.window(stall=0.5, rate=10, batch_s=0.2) == 5  # 4 plus 15 %
+    assert "4.0 workers keep up" in loop.scaler.decisions[-1]["reason"]
+    for _ in range(4):
+        assert loop.window(stall=0.5, rate=10, batch_s=0.2, starting=2) is None  # starting
+    assert loop.window(stall=0.5, rate=10, batch_s=0.2) is None  # held (2 windows)
+    assert loop.window(stall=0.5, rate=10, batch_s=0.2) is None
+    assert loop.window(stall=0.5, rate=10, batch_s=0.2) == 1  # the trial: 5 were no better
+    loop = Loop(Autoscale(1, 32), workers=2)  # the loop waits, yet 2 are more than enough
+    for _ in range(5):
+        assert loop.window(stall=0.5, rate=40, batch_s=0.005) is None
+
+
+def test_more_workers_that_do_not_raise_the_rate_are_taken_back_and_capped_a_while():
+    loop = Loop(Autoscale(2, 32))
+    assert loop.window(stall=0.6, rate=40, batch_s=0.1) == 12  # step 10 ms: 10 needed, +15 %
+    for _ in range(2):
+        loop.window(stall=0.6, rate=41, batch_s=0.3)  # (held) CPU-bound: batches slower
+    assert loop.window(stall=0.6, rate=42, batch_s=0.3) == 2  # rate barely moved: back
+    assert "do not help" in loop.scaler.decisions[-1]["reason"]
+    for _ in range(5):
+        assert loop.window(stall=0.6, rate=40, batch_s=0.1) is None  # capped at 2
+    assert loop.scaler.report(2)["ceiling"] == 2
+    for _ in range(30):
+        loop.window(stall=0.6, rate=40, batch_s=0.1)
+    assert loop.scaler.decisions[2]["to"] == 12  # the ceiling is tried again later
+
+
+def test_a_kept_scale_up_is_not_taken_back():
+    loop = Loop(Autoscale(1, 32))
+    loop.window(stall=0.5, rate=10, batch_s=0.2)
+    for _ in range(2):
+        loop.window(stall=0.5, rate=10, batch_s=0.2)
+    loop.window(stall=0.2, rate=40, batch_s=0.2)  # 4x the rate: kept (and still short)
+    assert loop.workers >= 5
+    assert not any("do not help" in d["reason"] for d in loop.scaler.decisions)
+
+
+def test_workers_go_only_after_calm_windows_and_not_below_what_is_needed_or_min():
+    loop = Loop(Autoscale(2, 32), workers=12)
+    # step 90 ms, batch 100 ms: 1.1 needed; +35 % -> 2 (min 2)
+    assert loop.window(stall=0.0, rate=10, batch_s=0.1) is None
+    assert loop.window(stall=0.04, rate=10, batch_s=0.1) is None  # not calm (>= 2.5 %)
+    assert loop.window(stall=0.0, rate=10, batch_s=0.1) is None
+    assert loop.window(stall=0.0, rate=10, batch_s=0.1) is None
+    assert loop.window(stall=0.0, rate=10, batch_s=0.1) == 2
+    loop = Loop(Autoscale(1, 32), workers=3)  # calm because 3 are what it needs
+    for _ in range(6):
+        assert loop.window(stall=0.0, rate=10, batch_s=0.25) is None
+
+
+def test_no_more_workers_than_max_or_the_cluster_has_room_for():
+    loop = Loop(Autoscale(1, 4))
+    assert loop.window(stall=0.9, rate=1, batch_s=1.0) == 4
+    loop = Loop(Autoscale(1, 32))
+    assert loop.window(stall=0.9, rate=1, batch_s=1.0, room=2) == 3
+    loop = Loop(Autoscale(1, 32))
+    assert loop.window(stall=0.9, rate=1, batch_s=1.0, room=0) is None
+
+
+# -- live loaders ------------------------------------------------------------------------
+
+ray_only = pytest.mark.usefixtures("ray_session")
+
+
+def torch_batches(dataset, **kwargs):
+    return list(dsets.torch_loader(dataset, **kwargs))
+
+
+def take_until_ready(it, workers, got, limit=60.0):
+    """Take batches into ``got`` until ``workers`` workers are ready."""
+    deadline = time.monotonic() + limit
+    while len(it._ready) < workers:
+        assert time.monotonic() < deadline, f"only {sorted(it._ready)} ready"
+        got.append(next(it))
+
+
+@ray_only
+@pytest.mark.timeout(300)
+def test_workers_added_and_retired_mid_epoch_change_no_batch():
+    def kwargs():
+        return dict(batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(3))
+    want = torch_batches(dsets.Squares(400, max_sleep=0.02), **kwargs())
+    loader = DpexDataLoader(dsets.Squares(400, max_sleep=0.02), num_workers=1,
+                            distribute_mode=True, **kwargs())
+    it = iter(loader)
+    got = [next(it) for _ in range(3)]
+    loader.scale_workers(3)
+    take_until_ready(it, 3, got)
+    got += [next(it) for _ in range(10)]
+    ready = it.stats()["workers"]
+    loader.scale_workers(1)
+    got += list(it)
+    stats = loader.stats()
+    loader.close()
+    assert_same(want, got)
+    assert len(ready) == 3 and all(w["batches"] for w in ready.values())
+    assert stats["dropped"]["added"] == 2 and stats["dropped"]["retired"] == 2
+    assert [w for w, info in stats["workers"].items() if info["retired"]] == [1, 2]
+
+
+@ray_only
+@pytest.mark.timeout(300)
+def test_per_batch_seeding_keeps_an_augmented_epoch_exact_while_workers_come_and_go():
+    def make(n):
+        return DpexDataLoader(dsets.Augmented(300), batch_size=3, shuffle=True, num_workers=n,
+                              generator=torch.Generator().manual_seed(4), distribute_mode=True,
+                              worker_seeding="per_batch")
+    with make(1) as loader:
+        want = list(loader)
+    loader = make(2)
+    it = iter(loader)
+    got = [next(it) for _ in range(4)]
+    loader.scale_workers(3)
+    take_until_ready(it, 3, got)
+    got += [next(it) for _ in range(6)]
+    loader.scale_workers(1)
+    got += list(it)
+    loader.close()
+    assert_same(want, got)
+
+
+@ray_only
+@pytest.mark.timeout(300)
+def test_an_added_worker_killed_mid_epoch_is_replaced_and_the_epoch_is_exact():
+    want = torch_batches(dsets.Squares(400, max_sleep=0.02), batch_size=2)
+    loader = DpexDataLoader(dsets.Squares(400, max_sleep=0.02), batch_size=2, num_workers=1,
+                            distribute_mode=True)
+    it = iter(loader)
+    got = [next(it) for _ in range(2)]
+    loader.scale_workers(2)
+    take_until_ready(it, 2, got)
+    info = it._ready[1]
+    os.kill(info.get("session_pid", info["pid"]), signal.SIGKILL)
+    got += list(it)
+    stats = loader.stats()
+    loader.close()
+    assert_same(want, got)
+    assert stats["dropped"]["restarted"] == 1 and stats["recoveries"][0]["worker"] == 1
+
+
+@ray_only
+@pytest.mark.timeout(300)
+def test_the_autoscaler_grows_for_a_fast_loop_and_shrinks_for_a_slow_one():
+    policy = Autoscale(1, 6, interval=0.4, patience=2)
+    want = torch_batches(dsets.Slow(0.03, n=240), batch_size=1)
+    with DpexDataLoader(dsets.Slow(0.03, n=240), batch_size=1, num_workers=policy,
+                        distribute_mode=True) as loader:
+        got = list(loader)  # a loop that takes no time: needs every worker it can get
+        grown = loader.stats()["autoscale"]
+    assert_same(want, got)
+    assert grown["decisions"][0]["from"] == 1 and grown["workers"] >= 3
+    assert grown["history"] and all(h["workers"] <= 6 for h in grown["history"])
+    with DpexDataLoader(dsets.Slow(0.01, n=120), batch_size=1, num_workers=policy,
+                        distribute_mode=True) as loader:
+        loader.scale_workers(4)
+        for _ in loader:
+            time.sleep(0.05)  # a slow loop: one worker keeps up
+        shrunk = loader.stats()["autoscale"]
+    assert shrunk["workers"] < 4 and shrunk["decisions"][-1]["to"] < 4
+    assert "waited for data" in shrunk["decisions"][-1]["reason"]
+
+
+@ray_only
+def test_an_iterable_dataset_cannot_autoscale_and_says_why():
+    loader = DpexDataLoader(dsets.ShardedRange(), num_workers=Autoscale(1, 4),
+                            distribute_mode=True)
+    with pytest.raises(ValueError, match="IterableDataset's worker count is fixed"):
+        iter(loader)
+    loader.close()
