@@ -23,6 +23,7 @@ class WorkerStats(TypedDict, total=False):
     warm: bool  # started on a warm worker of an earlier iterator (its own fresh process)
     batches: int  # results of this worker that counted, this iterator
     batches_per_s: float  # batches over the time since it was first ready
+    retired: bool  # taken out by scale_workers() or the autoscaler
 
 
 class LoaderStats(TypedDict, total=False):
@@ -33,6 +34,7 @@ class LoaderStats(TypedDict, total=False):
     workers_ready: int
     workers: dict[int, WorkerStats]
     credits_in_flight: int  # batches dispatched and not yet taken (<= the window)
+    worker_batch_s: float | None  # the workers' median time per batch, recent batches
     dataset_bytes: int  # the pickled dataset, collate_fn and worker_init_fn shipped
     dataset_reused: bool  # the same bytes as the loader's previous iterator: not shipped again
     received: int  # data messages accepted
@@ -41,6 +43,7 @@ class LoaderStats(TypedDict, total=False):
     rejected: dict[str, int]  # messages refused, by reason (mac, session, handshake, ...)
     dropped: dict[str, int]  # results not used, and recovery actions, by reason
     recoveries: list[dict[str, Any]]  # one per restart: worker, cause, reported_at, ready_at
+    autoscale: dict[str, Any]  # num_workers=dpex.Autoscale(...): decisions and history
 
 
 _GAUGES = [  # (stats key, metric name, type, help)

@@ -1,8 +1,10 @@
-"""The ``dpex`` command: ``dpex fleet start | status | stop``.
+"""The ``dpex`` command: ``dpex fleet start | status | scale | autoscale | stop``.
 
     dpex fleet start --name prep --workers 8 [--cpus-per-worker 2] [--address HEAD:6379]
                      [--resources '{"cpu_node": 1}'] [--session-timeout 30]
     dpex fleet status --name prep
+    dpex fleet scale --name prep --workers 12
+    dpex fleet autoscale --name prep --min 2 --max 32 [--interval 2] [--patience 5]
     dpex fleet stop --name prep
 
 Exit status: 0 on success, 1 when the fleet cannot be started, found or reached
@@ -26,11 +28,25 @@ def _parser() -> argparse.ArgumentParser:
     actions = fleet.add_subparsers(dest="action", required=True)
     for name, text in (("start", "start a fleet of detached workers"),
                        ("status", "one line per worker: node, state, sessions, traffic"),
+                       ("scale", "grow or shrink the fleet to --workers workers"),
+                       ("autoscale", "follow the trainers' demand: one worker per session, "
+                                     "within --min and --max, until interrupted"),
                        ("stop", "kill the fleet's workers")):
         a = actions.add_parser(name, help=text)
         a.add_argument("--name", required=True, help="the fleet's name (worker_pool=NAME)")
         a.add_argument("--address", default=None,
                        help="Ray cluster to join (default: RAY_ADDRESS, else the running one)")
+        if name == "scale":
+            a.add_argument("--workers", type=int, required=True)
+            a.add_argument("--timeout", type=float, default=120.0,
+                           help="seconds to wait for new workers to be placed and up")
+        if name == "autoscale":
+            a.add_argument("--min", type=int, required=True)
+            a.add_argument("--max", type=int, required=True)
+            a.add_argument("--interval", type=float, default=2.0, help="seconds per round")
+            a.add_argument("--patience", type=int, default=5,
+                           help="rounds a worker stays idle before it is removed")
+            a.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)
         if name == "start":
             a.add_argument("--workers", type=int, required=True)
             a.add_argument("--cpus-per-worker", type=float, default=1.0,
@@ -70,7 +86,13 @@ def _status_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from dpex.errors import FleetError
-    from dpex.server._fleet import fleet_status, start_fleet, stop_fleet
+    from dpex.server._fleet import (
+        autoscale_fleet,
+        fleet_status,
+        scale_fleet,
+        start_fleet,
+        stop_fleet,
+    )
 
     try:
         _connect(args.address)
@@ -88,6 +110,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"worker_pool={args.name!r})")
         elif args.action == "status":
             print(_status_table(fleet_status(args.name)))
+        elif args.action == "scale":
+            before, after = scale_fleet(args.name, args.workers, args.timeout,
+                                        progress=lambda line: print(line, flush=True))
+            print(f"fleet {args.name!r}: {before} -> {after} workers")
+        elif args.action == "autoscale":
+            print(f"fleet {args.name!r}: one worker per session, {args.min} to {args.max} "
+                  "workers (Ctrl-C to stop)", flush=True)
+            try:
+                autoscale_fleet(args.name, args.min, args.max, args.interval, args.patience,
+                                args.rounds, progress=lambda line: print(line, flush=True))
+            except KeyboardInterrupt:
+                print("stopped following; the fleet keeps its size")
         else:
             print(f"stopped {stop_fleet(args.name)} workers of fleet {args.name!r}")
     except FleetError as exc:

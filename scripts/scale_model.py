@@ -12,6 +12,7 @@ size on the wire. With ``--shared-cores C`` trainer and workers share C cores
 
     python scripts/scale_model.py --scenario small --bandwidth-gbps 10
     python scripts/scale_model.py --scenario medium --check   # vs 2 workers here
+    python scripts/scale_model.py --scenario small --loop-step-ms 5   # workers it needs
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def predict(n: int, worker_s: float, trainer_s: float, nbytes: int, bandwidth: f
     return limits[name], name
 
 
+def workers_needed(batch_s: float, step_s: float, margin: float = 0.15) -> int:
+    """Workers that keep a training loop whose own step takes ``step_s`` fed, when a
+    worker takes ``batch_s`` per batch: batch_s / step_s, plus ``margin``, at least 1
+    (what ``dpex.Autoscale`` aims for when the loop stalls; docs/AUTOSCALE.md)."""
+    return max(1, math.ceil(batch_s / step_s * (1 + margin)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenario", default="medium", choices=list(bench.SCENARIOS))
@@ -83,6 +91,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=None, help="per measured epoch")
     p.add_argument("--check", action="store_true",
                    help="also measure 2 local workers and compare with the model")
+    p.add_argument("--loop-step-ms", type=float, default=None,
+                   help="the training loop's own time per batch: print the workers it needs")
     args = p.parse_args()
     import ray
 
@@ -102,6 +112,12 @@ def main() -> None:
         ceiling = min(1 / trainer_s, bandwidth / nbytes)
         print(f"one rank saturates at {ceiling:.0f} batches/s with about "
               f"{math.ceil(worker_s * ceiling)} remote workers\n")
+        if args.loop_step_ms:
+            step = args.loop_step_ms / 1e3
+            print(f"a loop whose step takes {args.loop_step_ms:g} ms needs "
+                  f"{workers_needed(worker_s, step)} workers (worker CPU per batch / step, "
+                  f"+15 %), if the rank can take {1 / step:.0f} batches/s "
+                  f"({'yes' if 1 / step <= ceiling else 'no: it saturates first'})\n")
         print("| workers | predicted batches/s | limited by |\n|---:|---:|---|")
         n = 1
         while n <= args.max_workers:

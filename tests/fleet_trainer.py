@@ -10,6 +10,8 @@ stops reading after 3 batches and sleeps (to be killed); --hang reads a dataset
 that hangs in its workers after 2 batches (prints HUNG, to be killed);
 --resume-at N saves the loader's state after N batches of the first epoch and goes
 on with a new loader that loads it (a preempted trainer, resumed).
+--scale-to AFTER:N changes the worker count mid-epoch; --wait-file F pauses after 2
+batches until F exists (a test changes the fleet meanwhile).
 The JSON line also gives the longest wait for one batch.
 """
 
@@ -46,6 +48,12 @@ def main() -> None:
     p.add_argument("--stall", action="store_true")
     p.add_argument("--hang", action="store_true")
     p.add_argument("--resume-at", type=int, default=None)
+    p.add_argument("--scale-to", default=None,
+                   help="AFTER:N: after AFTER batches of the first epoch, scale_workers(N)")
+    p.add_argument("--step-s", type=float, default=0.0, help="the loop's time per batch")
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--wait-file", default=None,
+                   help="print WAITING after 2 batches and wait for this file to exist")
     args = p.parse_args()
     if args.hang:
         hang(args)
@@ -60,7 +68,8 @@ def main() -> None:
     def make() -> DpexDataLoader:
         return DpexDataLoader(dataset, generator=torch.Generator().manual_seed(7),
                               distribute_mode=True, head_address=args.address,
-                              worker_pool=args.fleet, **kw)
+                              worker_pool=args.fleet, max_worker_restarts=args.max_restarts,
+                              **kw)
 
     loader = make()
     epoch_s, longest_wait = [], 0.0
@@ -86,6 +95,14 @@ def main() -> None:
                     threading.Timer(float(seconds), subprocess.run,
                                     (["ip", "link", "set", veth, "up"],)).start()
                     print("CUT", flush=True)
+                if epoch == 0 and args.scale_to and len(got) == int(args.scale_to.split(":")[0]):
+                    loader.scale_workers(int(args.scale_to.split(":")[1]))
+                if epoch == 0 and args.wait_file and len(got) == 2:
+                    print("WAITING", flush=True)
+                    deadline = time.monotonic() + 120
+                    while not os.path.exists(args.wait_file) and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                time.sleep(args.step_s)
                 if epoch == 0 and len(got) == args.kill_after:
                     os.kill(loader.stats()["workers"][1][args.kill], signal.SIGKILL)
             if epoch == 0 and args.resume_at:

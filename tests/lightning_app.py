@@ -15,6 +15,9 @@ Scenarios:
 - ``ddp``: ``strategy="ddp"`` with 2 CPU processes and ``use_distributed_sampler=True``;
   dpex is imported inside the ``*_dataloader`` hook (after Lightning starts recording).
 - ``ddp_spawn``: ``strategy="ddp_spawn"``: the loaders are pickled into the ranks.
+- ``ddp_autoscale``: ``ddp`` with ``num_workers=dpex.Autoscale(1, 3)`` and
+  ``worker_seeding="per_batch"`` for dpex (torch's loader: 2 workers); the rebuilt
+  loader must keep the policy, and the items (not their worker RNG draws) must match.
 """
 
 import argparse
@@ -85,13 +88,19 @@ class Model(pl.LightningModule):
 
 
 class Data(pl.LightningDataModule):
-    def __init__(self, kind: str, persistent: bool = False) -> None:
+    def __init__(self, kind: str, persistent: bool = False, autoscale: bool = False) -> None:
         super().__init__()
-        self.kind, self.persistent = kind, persistent
+        self.kind, self.persistent, self.autoscale = kind, persistent, autoscale
 
     def _loader(self, dataset, shuffle):
         cls, extra = loader_class(self.kind)
-        return cls(dataset, batch_size=4, shuffle=shuffle, num_workers=2,
+        workers = 2
+        if self.autoscale and self.kind == "dpex":
+            import dpex
+
+            workers = dpex.Autoscale(1, 3, interval=0.5)
+            extra = {**extra, "worker_seeding": "per_batch"}
+        return cls(dataset, batch_size=4, shuffle=shuffle, num_workers=workers,
                    persistent_workers=self.persistent, **extra)
 
     def train_dataloader(self):
@@ -111,13 +120,15 @@ def describe(loader) -> dict:
     return {"class": type(loader).__name__,
             "distribute_mode": getattr(loader, "distribute_mode", None),
             "sampler": type(loader.sampler).__name__,
+            "num_workers": repr(loader.num_workers),
             "batch_sampler": type(loader.batch_sampler).__name__}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--loader", choices=["dpex", "torch"], required=True)
-    p.add_argument("--scenario", choices=["single", "ddp", "ddp_spawn"], required=True)
+    p.add_argument("--scenario", choices=["single", "ddp", "ddp_spawn", "ddp_autoscale"],
+                   required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out: dict = {"trainer_pid": os.getpid()}
@@ -147,10 +158,12 @@ def main() -> None:
         pl.seed_everything(5, workers=True)
         # One epoch, no sanity check: every worker start costs seconds on 2 cores, for
         # torch's forkserver workers as for dpex's.
-        t = trainer(devices=2, strategy=args.scenario, max_epochs=1, num_sanity_val_steps=0,
+        strategy = "ddp" if args.scenario == "ddp_autoscale" else args.scenario
+        t = trainer(devices=2, strategy=strategy, max_epochs=1, num_sanity_val_steps=0,
                     use_distributed_sampler=True, callbacks=[Save(args.out)])
-        if args.scenario == "ddp":
-            t.fit(Model(), datamodule=Data(args.loader))
+        if strategy == "ddp":
+            t.fit(Model(), datamodule=Data(args.loader,
+                                           autoscale=args.scenario == "ddp_autoscale"))
         else:  # the loaders are pickled into the spawned ranks
             data = Data(args.loader)
             t.fit(Model(), train_dataloaders=data.train_dataloader(),

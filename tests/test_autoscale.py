@@ -96,6 +96,16 @@ def test_more_workers_that_do_not_raise_the_rate_are_taken_back_and_capped_a_whi
     assert loop.scaler.decisions[2]["to"] == 12  # the ceiling is tried again later
 
 
+def test_a_scale_up_that_helps_in_part_keeps_the_workers_its_gain_is_worth():
+    loop = Loop(Autoscale(1, 32))
+    assert loop.window(stall=0.75, rate=45, batch_s=0.022) == 5  # needs 3.9
+    for _ in range(2):
+        loop.window(stall=0.5, rate=80, batch_s=0.04)  # (held)
+    assert loop.window(stall=0.5, rate=84, batch_s=0.04) == 2  # 1.9x the rate: 2 workers
+    assert loop.scaler.report(2)["ceiling"] == 2
+    assert "more workers than 2 do not help" in loop.scaler.decisions[-1]["reason"]
+
+
 def test_a_kept_scale_up_is_not_taken_back():
     loop = Loop(Autoscale(1, 32))
     loop.window(stall=0.5, rate=10, batch_s=0.2)
@@ -137,12 +147,13 @@ def torch_batches(dataset, **kwargs):
     return list(dsets.torch_loader(dataset, **kwargs))
 
 
-def take_until_ready(it, workers, got, limit=60.0):
-    """Take batches into ``got`` until ``workers`` workers are ready."""
+def take_until_ready(it, workers, got, limit=120.0):
+    """Wait (taking nothing: the epoch must not end first on a busy machine) until
+    ``workers`` workers are ready."""
     deadline = time.monotonic() + limit
     while len(it._ready) < workers:
         assert time.monotonic() < deadline, f"only {sorted(it._ready)} ready"
-        got.append(next(it))
+        it._receive_one(until=time.monotonic() + 0.2)  # (HELLOs arrive as events)
 
 
 @ray_only
@@ -238,3 +249,15 @@ def test_an_iterable_dataset_cannot_autoscale_and_says_why():
     with pytest.raises(ValueError, match="IterableDataset's worker count is fixed"):
         iter(loader)
     loader.close()
+
+
+def test_a_fleet_in_policy_mode_follows_the_sessions_up_at_once_and_down_when_idle():
+    from dpex.server._fleet import fleet_target
+
+    # (sessions, workers, idle workers, idle rounds, min, max, patience)
+    assert fleet_target(6, 2, 0, 0, 1, 8, 3) == 6  # up at once, one worker per session
+    assert fleet_target(12, 2, 0, 0, 1, 8, 3) == 8  # not past max
+    assert fleet_target(1, 6, 5, 2, 1, 8, 3) == 6  # idle, but not for long enough
+    assert fleet_target(1, 6, 5, 3, 2, 8, 3) == 2  # down to min, idle workers only
+    assert fleet_target(4, 6, 1, 3, 1, 8, 3) == 5  # only as many as are idle go
+    assert fleet_target(0, 1, 1, 9, 1, 8, 3) == 1

@@ -17,7 +17,7 @@ def python_blocks(path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("page", ["README.md", "docs/STATS.md", "docs/WARM_WORKERS.md",
-                                  "docs/RESUME.md"])
+                                  "docs/RESUME.md", "docs/AUTOSCALE.md"])
 def test_the_examples_of_a_page_run_on_the_embedded_local_ray(page):
     blocks = python_blocks(os.path.join(ROOT, page))
     assert blocks, f"{page} has no python example"

@@ -198,3 +198,38 @@ def test_a_fleet_running_another_dpex_is_refused_at_attach(monkeypatch):
             iter(loader)
     finally:
         assert _fleet.stop_fleet("elsewhere") == 1
+
+
+def test_sessions_added_and_retired_mid_epoch_on_a_fleet_keep_the_epoch_exact(cluster, fleet):
+    out = result(trainer(cluster, fleet, "--dataset", "squares", "--scale-to", "3:4",
+                         "--epochs", "2"))  # (2 logical workers -> 4, on 3 fleet workers)
+    assert out["stats"]["dropped"]["added"] == 2
+    assert {w for w, info in out["stats"]["workers"].items()} == {"0", "1", "2", "3"}
+
+
+def test_fleet_scale_grows_and_shrinks_and_moved_sessions_cost_no_restart(cluster, tmp_path):
+    dpex_fleet(cluster, "start", "--name", "elastic", "--workers", "2", "--cpus-per-worker",
+               "0", "--session-timeout", "3")
+    try:
+        out = dpex_fleet(cluster, "scale", "--name", "elastic", "--workers", "4").stdout
+        assert "2 -> 4 workers" in out and len(status_rows(cluster, "elastic")) == 4
+        go = tmp_path / "go"
+        # max_worker_restarts=0: a session moved off a removed worker must not count
+        proc = trainer(cluster, "elastic", "--dataset", "squares", "--max-restarts", "0",
+                       "--wait-file", str(go), "--step-s", "0.02")
+        wait_line(proc, "WAITING")
+        busy = [r[0] for r in status_rows(cluster, "elastic") if int(r[4]) > 0]
+        out = dpex_fleet(cluster, "scale", "--name", "elastic", "--workers", "1").stdout
+        assert "4 -> 1 workers" in out
+        left = [r[0] for r in status_rows(cluster, "elastic")]
+        assert len(left) == 1 and left[0] in busy  # idle ones went first
+        go.touch()
+        stats = result(proc)["stats"]
+        assert stats["dropped"].get("restarted", 0) >= 1  # (one of its 2 sessions moved)
+        # policy mode: an idle fleet shrinks to --min after --patience rounds
+        dpex_fleet(cluster, "scale", "--name", "elastic", "--workers", "3")
+        out = dpex_fleet(cluster, "autoscale", "--name", "elastic", "--min", "1", "--max", "4",
+                         "--interval", "0.2", "--patience", "2", "--rounds", "4").stdout
+        assert "scaling to 1" in out and len(status_rows(cluster, "elastic")) == 1
+    finally:
+        dpex_fleet(cluster, "stop", "--name", "elastic", check=False)

@@ -73,8 +73,24 @@ def test_ddp_ranks_get_torchs_per_rank_batches_from_dpex_workers(tmp_path, strat
         assert ours[rank]["fit"]["sampler"] == "DistributedSampler"
         assert ours[rank]["fit"]["class"] == "DpexDataLoader"
         assert ours[rank]["fit"]["distribute_mode"] is True
+        assert ours[rank]["fit"]["num_workers"] == "2"
         assert_dpex_workers_made(ours[rank], theirs[rank])
     # In its epoch (5 steps of 4 items) each rank saw its own half of the data.
     seen = [{round(v * 10) for x, _ in ours[r]["train"] for v in x[:, 0].tolist()}
             for r in range(2)]
     assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(40))
+
+
+def test_ddp_keeps_an_autoscaled_loader_and_its_per_rank_items(tmp_path):
+    theirs, ours = run_both("ddp_autoscale", tmp_path)
+    assert len(theirs) == len(ours) == 2
+    for rank in range(2):
+        # Lightning re-created the loader with a DistributedSampler: the policy survived
+        assert ours[rank]["fit"]["num_workers"].startswith("Autoscale(min=1, max=3")
+        assert ours[rank]["fit"]["sampler"] == "DistributedSampler"
+        assert_dpex_workers_made(ours[rank], theirs[rank])
+        # the same items in the same order (the third feature is a worker RNG draw,
+        # seeded per batch here and per worker by torch)
+        assert len(ours[rank]["train"]) == len(theirs[rank]["train"]) == 5
+        for (x, y), (tx, ty) in zip(ours[rank]["train"], theirs[rank]["train"], strict=True):
+            assert torch.equal(x[:, :2], tx[:, :2]) and torch.equal(y, ty)

@@ -81,3 +81,16 @@ def test_a_link_cut_longer_than_the_heartbeat_timeout_loses_nothing(hosts, far_f
     assert "CUT" in out and result["stats"]["received"] >= 24
     print(result["stats"]["dropped"], result["epoch_s"])  # quoted in the closing note
 
+
+
+def test_sessions_added_mid_epoch_on_the_other_host_carry_their_batches_over_the_veth(
+        hosts, far_fleet):
+    before = hosts.rx_bytes()
+    # 2 logical workers -> 4 after 3 batches: the new sessions run on the far host too
+    stats = trainer(hosts, "--scale-to", "3:4")[1]["stats"]  # (each batch checked exact)
+    received = hosts.rx_bytes() - before
+    assert received > 2 * 48 * 3 * 224 * 224, received
+    assert stats["dropped"]["added"] == 2
+    workers = stats["workers"]
+    assert set(workers) == {"0", "1", "2", "3"} and all(
+        w["node_ip"] == netns_cluster.NODE_IP and w["batches"] > 0 for w in workers.values())

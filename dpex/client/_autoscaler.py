@@ -15,8 +15,9 @@ Rules (hysteresis: up fast, down slowly):
    to ``max``, the room and a ceiling found earlier. Remember the loop's rate.
 2. The first window after a scale-up is its trial: if the loop's rate rose by less
    than 30 % of what the added workers should have given (the workers compete for
-   the same CPUs, say), the ceiling is the old count and the workers go back to it.
-   The ceiling is tried again after ``_CEILING_WINDOWS`` windows.
+   the same CPUs, say), the workers go to the count the gain is worth (the old count
+   times the rate's growth), which becomes a ceiling. The ceiling is tried again
+   after ``_CEILING_WINDOWS`` windows, then twice as long after each time it holds.
 3. ``stall < target / 2`` for ``patience`` windows in a row: down to ``need`` plus
    35 % if that is fewer, not under ``min``.
 4. No scale-up while ``need`` plus 15 % is no more than the workers there are (the
@@ -54,6 +55,7 @@ class Autoscaler:
         self._hold = 0  # windows left before the next decision
         self._trial: tuple[int, float] | None = None  # (workers before, loop rate before)
         self._ceiling: tuple[int, float] | None = None  # (workers, until when)
+        self._backoff = _CEILING_WINDOWS  # doubles each time a ceiling is found again
 
     def begin(self, now: float, waited: float, taken: int) -> None:
         """Start a fresh window (a new epoch: the time between epochs is not the loop's).
@@ -94,12 +96,15 @@ class Autoscaler:
         if trial is not None and stall > target and workers > trial[0]:
             before, rate_before = trial
             expected = rate_before * (1 + _GAIN * (workers - before) / before)
-            if rate < expected:
-                self._ceiling = (before, now + _CEILING_WINDOWS * self.policy.interval)
-                return self._decide(now, workers, before, figures, (
+            # the workers the gain is worth: as many as the rate grew (x before)
+            keep = max(before, min(workers, round(before * rate / max(rate_before, 1e-9))))
+            if rate < expected and keep < workers:
+                self._ceiling = (keep, now + self._backoff * self.policy.interval)
+                self._backoff *= 2
+                return self._decide(now, workers, keep, figures, (
                     f"{before} -> {workers} workers took the loop from {rate_before:.1f} to "
-                    f"only {rate:.1f} batches/s: more workers do not help here (they "
-                    f"compete for CPUs?); back to {before} for now"))
+                    f"only {rate:.1f} batches/s: more workers than {keep} do not help here "
+                    f"(they compete for CPUs?); {keep} for now"))
         if self._ceiling is not None and now >= self._ceiling[1]:
             self._ceiling = None
         if stall > target:

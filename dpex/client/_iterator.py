@@ -37,6 +37,7 @@ from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._stats import LoaderStats, WorkerStats
 from dpex._version import local_versions
 from dpex.client._autoscaler import Autoscaler
+from dpex.client._elastic import ElasticWorkers, median
 from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
 from dpex.client._scheduler import (
     EPOCH_END,
@@ -121,7 +122,7 @@ def _ship(loader: Any, shipped: bytes) -> tuple[Any, bool]:
     return ref, False
 
 
-class RayDataLoaderIter(_BaseDataLoaderIter):
+class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
     """Iterator of a ``DpexDataLoader`` with ``distribute_mode=True, num_workers > 0``;
     ``worker_class`` is the Ray actor class its own workers run (``DpexWorker``)."""
 
@@ -434,7 +435,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             w, exit_.incarnation, startup_error=isinstance(cause, WorkerStartupError),
             # A worker never placed because its node went away is placed again, like a death.
             unplaced=isinstance(cause, ray.exceptions.ActorUnschedulableError),
-            cause=type(cause).__name__, at=exit_.at)
+            cause=type(cause).__name__ if exit_.error is not None else "session ended",
+            at=exit_.at,
+            # A fleet worker ended the session cleanly (removed by `dpex fleet scale`).
+            moved=exit_.error is None and isinstance(self._runtime.workers, FleetGroup))
         fatal = next((a for a in actions if isinstance(a, Fatal)), None)
         if fatal is None:
             try:
@@ -508,83 +512,6 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                    if spec.rng_state is not None}
         return {**started, **{w: self._rng_replies[(w, *asked[w])].state if answered(w) else None
                               for w in asked}}
-
-    # -- an elastic worker set ------------------------------------------------
-
-    def scale_to(self, n: int) -> None:
-        """Run ``n`` workers from now on (map-style datasets): new ones take tasks once
-        ready; removed ones finish what they hold first. Nothing is lost or repeated."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"scale_to() takes a worker count >= 1, got {n!r}")
-        if self._dataset_kind == _DatasetKind.Iterable:
-            raise ValueError("an IterableDataset's worker count is fixed: each worker "
-                             "iterates its own shard")
-        if self._runtime.closed:
-            raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
-        while self._sched.num_workers < n:
-            self._apply(self._sched.add_worker(self._next_index))
-        while self._sched.num_workers > n:
-            self._apply(self._sched.retire_worker())
-        loader = self._loader_ref()
-        if loader is not None:  # the next iterator starts with as many
-            loader._autoscale_workers = n
-
-    def _autoscale(self) -> None:
-        """Once per ``interval``: ask the autoscaler, and carry out its decision."""
-        scaler = self._autoscaler
-        assert scaler is not None
-        now = time.monotonic()
-        window = scaler._window
-        if window is not None and now - window[0] < scaler.policy.interval:
-            return
-        if not self._sched.workers.all_ready():  # starting up: not the loop's pace yet
-            scaler.begin(now, self._waited_total, self._taken_total)
-            return
-        records = self._sched.workers.records
-        for rec in records:  # an added worker that never started is given up
-            if (rec.added and not rec.ready and not rec.gone and not rec.retiring
-                    and now - self._added_at.get(rec.id, now) > self._startup_timeout
-                    and self._sched.num_workers > 1):
-                logger.warning("dpex autoscale: worker %s did not start within %g s; "
-                               "given up", rec.id, self._startup_timeout)
-                self._apply(self._sched.retire_worker(rec.id))
-        times = sorted(self._sched.batch_times)
-        starting = sum(r.added and not r.ready and not r.gone for r in records)
-        workers = self._sched.num_workers
-        new = scaler.tick(now, self._waited_total, self._taken_total, workers, starting,
-                          times[len(times) // 2] if times else None, self._room())
-        if new is None or new == workers:
-            return
-        decision = scaler.decisions[-1]
-        logger.info("dpex autoscale: %d -> %d workers: %s", workers, new, decision["reason"])
-        self.scale_to(new)
-
-    def _room(self) -> int | None:
-        """How many more workers the cluster can place now (None: they reserve nothing,
-        so any number can; the autoscaler notices when they no longer help)."""
-        demand = getattr(self._runtime.workers, "demand", None)
-        if not demand:
-            return None
-        free = ray.available_resources()
-        return max(0, min(int(free.get(name, 0.0) // amount) for name, amount in demand.items()))
-
-    def _start_worker(self, w: int) -> None:
-        """Start an added worker (a new id), seeded as torch seeds worker ``w``."""
-        assert w == len(self._specs), (w, len(self._specs))
-        self._specs.append(dataclasses.replace(
-            self._specs[0], worker_id=w, incarnation=0, ring=self._new_ring(w),
-            shared_seed=self._worker_shared_seed, rng_state=None,
-            num_workers=self._sched.num_workers))
-        self._added_at[w] = time.monotonic()
-        self._runtime.workers.add(self._specs[w], self._shipped)
-
-    def _stop_worker(self, w: int) -> None:
-        """A retired worker holds nothing: end its session (its exit is expected)."""
-        self._runtime.workers.retire(w)
-        self._loop.call_soon(self._session.forget, w)
-        ring = self._specs[w].ring
-        if ring is not None:
-            self._loop.call_soon(self._session.retire_ring, ring.ring_id)
 
     def _start_replacement(self, w: int, incarnation: int) -> None:
         """Start a replacement with the same worker id (same seed, worker_init_fn run
@@ -685,6 +612,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             "workers_ready": len(self._ready),
             "workers": workers,
             "credits_in_flight": self._sched.in_flight,
+            "worker_batch_s": median(self._sched.batch_times),
             "dataset_bytes": self._shipped_bytes,
             "dataset_reused": self._shipped_reused,
             **session,

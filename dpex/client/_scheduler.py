@@ -370,9 +370,11 @@ class EpochScheduler:
         return self._actions()
 
     def exited(self, worker_id: int, incarnation: int, *, startup_error: bool = False,
-               unplaced: bool = False, cause: str = "?", at: float | None = None
-               ) -> list[Any]:
-        """A worker's actor ended (its ``serve`` call returned or failed)."""
+               unplaced: bool = False, cause: str = "?", at: float | None = None,
+               moved: bool = False) -> list[Any]:
+        """A worker's actor ended (its ``serve`` call returned or failed); ``moved``: its
+        fleet worker ended the session (``dpex fleet scale`` removed it), which is
+        replaced without counting against ``max_restarts``."""
         rec = self.workers[worker_id]
         if incarnation != rec.incarnation or rec.gone:
             return []  # a predecessor, replaced already; or a retired worker, stopped
@@ -384,6 +386,8 @@ class EpochScheduler:
             self._unqueue(worker_id)
             self._stop(worker_id, stopped=True)
             return self._actions()
+        if moved:
+            rec.moves += 1
         decision = recovery(rec, startup_error=startup_error, unplaced=unplaced,
                             max_restarts=self.max_restarts)
         if decision is not Recovery.RESTART:

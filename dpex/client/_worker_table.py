@@ -29,6 +29,7 @@ class WorkerRecord:
     added: bool = False  # started during the iteration (elastic), not with it
     retiring: bool = False  # takes no new task; stopped once it holds none
     gone: bool = False  # retired (or its start given up): no longer one of the workers
+    moves: int = 0  # replacements after its fleet worker ended the session (not deaths)
 
     @property
     def ready(self) -> bool:
@@ -99,6 +100,6 @@ def recovery(record: WorkerRecord, *, startup_error: bool, unplaced: bool,
     fatal = (record.known is None and not unplaced) or startup_error
     if fatal:
         return Recovery.STARTUP_FAILED
-    if record.incarnation < max_restarts:
+    if record.incarnation - record.moves < max_restarts:
         return Recovery.RESTART
     return Recovery.DIED

@@ -120,13 +120,15 @@ class DpexWorker:
     nothing from its trainer (which pings every second) before it is freed."""
 
     def __init__(self, session_timeout: float = 30.0, pooled: bool = False,
-                 warm: bool = False) -> None:
+                 warm: bool = False, fleet_setting: dict | None = None) -> None:
         """``pooled``: a fleet worker (every session in a process of its own); ``warm``:
         a trainer's worker that may serve its later iterators (each in a process of its
         own). Both start the forkserver those processes fork from now, in the
-        background, so that no session waits for it."""
+        background, so that no session waits for it. ``fleet_setting``: how its fleet
+        was started (``dpex fleet scale`` starts more workers the same way)."""
         self.session_timeout = session_timeout
         self.pooled = pooled
+        self.fleet_setting = fleet_setting
         self.placement = _placement()
         self._sessions: set[_Session] = set()
         self._computes: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
@@ -154,7 +156,8 @@ class DpexWorker:
                 for name, n in child.counters().items():
                     counters[name] += n
         return {**self.placement, "versions": local_versions(),
-                "sessions_active": len(self._sessions), **counters}
+                "sessions_active": len(self._sessions), "fleet_setting": self.fleet_setting,
+                **counters}
 
     async def stop(self) -> None:
         """End every session this worker serves."""

@@ -24,7 +24,10 @@ from dpex._placement import reserves
 from dpex.errors import FleetError, WorkerStartupError
 from dpex.server._actor import DpexWorker
 
-__all__ = ["start_fleet", "fleet_status", "stop_fleet"]
+__all__ = ["start_fleet", "fleet_status", "stop_fleet", "scale_fleet", "fleet_target",
+           "autoscale_fleet"]
+
+_MOVE_S = 5.0  # how long a removed worker's sessions get to end before it is killed
 
 
 def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
@@ -47,6 +50,16 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
         raise FleetError(f"a dpex fleet named {fleet!r} is running already; stop it first "
                          f"(dpex fleet stop --name {fleet})")
     options = {"num_cpus": cpus_per_worker, "resources": dict(resources or {})}
+    return _start_workers(fleet, list(range(workers)), options, session_timeout, timeout,
+                          progress, {})
+
+
+def _start_workers(fleet: str, indices: list[int], options: dict, session_timeout: float,
+                   timeout: float, progress: Callable[[str], None],
+                   held: Mapping[str, int]) -> list[dict]:
+    """Start the workers ``fleet/i`` for ``indices``; their stats once all are up
+    (nothing left behind if they cannot be). ``held``: workers per node already."""
+    workers = len(indices)
     try:
         check_placeable(options, workers)
     except WorkerStartupError as exc:
@@ -55,12 +68,15 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
     if reserves(options):
         strategies: list[Any] = ["SPREAD"] * workers
     else:
-        strategies = [on_node(node) if node else "DEFAULT" for node in choose_nodes(workers, {})]
+        strategies = [on_node(node) if node else "DEFAULT"
+                      for node in choose_nodes(workers, held)]
     cls = ray.remote(DpexWorker)
+    setting = {"options": options, "session_timeout": session_timeout}
     actors = [cls.options(name=fleet_name(fleet, i), namespace=NAMESPACE, lifetime="detached",
                           max_restarts=-1, max_task_retries=0, scheduling_strategy=strategy,
-                          **options).remote(session_timeout=session_timeout, pooled=True)
-              for i, strategy in enumerate(strategies)]
+                          **options).remote(session_timeout=session_timeout, pooled=True,
+                                            fleet_setting=setting)
+              for i, strategy in zip(indices, strategies, strict=True)]
     pending = {a.fleet_stats.remote(): i for i, a in enumerate(actors)}
     infos: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
@@ -75,7 +91,7 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
                     f"{options}; free now: {ray.available_resources()})")
             i = pending.pop(done[0])
             infos[i] = ray.get(done[0])
-            progress(f"{len(infos)}/{workers} workers up (worker {i} on node "
+            progress(f"{len(infos)}/{workers} workers up (worker {indices[i]} on node "
                      f"{infos[i]['node_ip']}, pid {infos[i]['pid']})")
     except BaseException:
         for actor in actors:
@@ -112,3 +128,100 @@ def stop_fleet(fleet: str) -> int:
     for _, actor in actors:
         ray.kill(actor, no_restart=True)
     return len(actors)
+
+
+def scale_fleet(fleet: str, workers: int, timeout: float = 120.0,
+                progress: Callable[[str], None] = print) -> tuple[int, int]:
+    """Grow or shrink ``fleet`` to ``workers``; return (before, after).
+
+    New workers get the settings the fleet was started with. Shrinking removes idle
+    workers (no session) first, then the newest: a busy one's sessions are ended
+    first, and their trainers move them to the other workers, as after a death but
+    without spending one of their ``max_worker_restarts``."""
+    if workers < 1:
+        raise FleetError(f"--workers must be >= 1, got {workers}")
+    actors = fleet_workers(fleet)
+    if not actors:
+        raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster")
+    stats = sample(actors)
+    if not stats:
+        raise FleetError(f"no worker of fleet {fleet!r} answered")
+    before = len(actors)
+    if workers > before:
+        setting = next(iter(stats.values())).get("fleet_setting") or {}
+        held: dict[str, int] = {}
+        for info in stats.values():
+            held[info["node_id"]] = held.get(info["node_id"], 0) + 1
+        top = max(i for i, _ in actors)
+        _start_workers(fleet, list(range(top + 1, top + 1 + workers - before)),
+                       setting.get("options", {"num_cpus": 1.0, "resources": {}}),
+                       setting.get("session_timeout", 30.0), timeout, progress, held)
+    elif workers < before:
+        order = sorted(actors, key=lambda a: (stats.get(a[0], {}).get("sessions_active", 0) > 0,
+                                              -a[0]))
+        _remove([actor for _, actor in order[:before - workers]], progress)
+    return before, workers
+
+
+def _remove(actors: list[Any], progress: Callable[[str], None]) -> None:
+    """End the workers' sessions (their trainers move them), then kill the workers."""
+    ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=_MOVE_S)
+    deadline = time.monotonic() + _MOVE_S
+    while time.monotonic() < deadline:
+        refs = [a.fleet_stats.remote() for a in actors]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+        try:
+            if all(ray.get(r)["sessions_active"] == 0 for r in done) and len(done) == len(refs):
+                break
+        except ray.exceptions.RayError:
+            break
+        time.sleep(0.2)
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    progress(f"removed {len(actors)} workers")
+
+
+def fleet_target(sessions: int, workers: int, idle: int, idle_streak: int, minimum: int,
+                 maximum: int, patience: int) -> int:
+    """The policy mode's fleet size: one worker per session the trainers hold (their
+    own autoscalers add sessions while they stall), within [minimum, maximum]; up at
+    once, down only by idle workers (no session) after ``patience`` idle rounds."""
+    want = max(minimum, min(maximum, sessions))
+    if want > workers:
+        return want
+    if want < workers and idle_streak >= patience:
+        return max(want, workers - idle)
+    return workers
+
+
+def autoscale_fleet(fleet: str, minimum: int, maximum: int, interval: float = 2.0,
+                    patience: int = 5, rounds: int | None = None,
+                    progress: Callable[[str], None] = print) -> None:
+    """Follow the trainers' demand (``dpex fleet autoscale``): every ``interval`` s,
+    grow to one worker per active session, shrink idle workers after ``patience``
+    rounds; until interrupted (or ``rounds`` rounds)."""
+    if not 1 <= minimum <= maximum:
+        raise FleetError(f"need 1 <= --min <= --max, got {minimum} and {maximum}")
+    streak = 0
+    n = 0
+    while rounds is None or n < rounds:
+        n += 1
+        actors = fleet_workers(fleet)
+        if not actors:
+            raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster")
+        stats = sample(actors)
+        sessions = sum(s["sessions_active"] for s in stats.values())
+        idle = [i for i, _ in actors if stats.get(i, {}).get("sessions_active", 1) == 0]
+        streak = streak + 1 if idle and sessions < len(actors) else 0
+        target = fleet_target(sessions, len(actors), len(idle), streak, minimum, maximum,
+                              patience)
+        if target != len(actors):
+            progress(f"{sessions} sessions on {len(actors)} workers: scaling to {target}")
+            if target > len(actors):
+                scale_fleet(fleet, target, progress=progress)
+            else:
+                handles = dict(actors)
+                victims = sorted(idle, reverse=True)[:len(actors) - target]
+                _remove([handles[i] for i in victims], progress)
+            streak = 0
+        time.sleep(interval)

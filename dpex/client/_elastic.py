@@ -1,0 +1,125 @@
+"""The iterator's elastic worker set: ``scale_to(n)`` (``loader.scale_workers``) and the
+autoscaler's loop (``num_workers=dpex.Autoscale(...)``), as a mixin of
+:class:`~dpex.client._iterator.RayDataLoaderIter`.
+
+The rules live in pure objects (:class:`~dpex.client._scheduler.EpochScheduler`'s
+``add_worker``/``retire_worker``, :class:`~dpex.client._autoscaler.Autoscaler`);
+this carries out their actions: starting a worker, ending a retired one's session.
+It uses the iterator's ``_apply``, ``_next_index``, ``_new_ring``, ``_sched``,
+``_specs``, ``_runtime``, ``_session``, ``_loop``, ``_shipped``, ``_autoscaler``,
+``_added_at``, the loop's cumulative ``_waited_total`` and ``_taken_total``,
+``_startup_timeout`` and ``_loader_ref``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import ray
+from torch.utils.data import _DatasetKind
+
+from dpex.errors import IteratorClosedError
+
+__all__ = ["ElasticWorkers", "median"]
+
+logger = logging.getLogger("dpex")
+
+
+def median(values: Any) -> float | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
+class ElasticWorkers:
+    _sched: Any
+    _specs: list
+    _runtime: Any
+    _session: Any
+    _loop: Any
+    _shipped: Any
+    _autoscaler: Any
+    _added_at: dict[int, float]
+    _waited_total: float
+    _taken_total: int
+    _startup_timeout: float
+    _dataset_kind: Any
+    _worker_shared_seed: Any
+    _loader_ref: Any
+
+    def scale_to(self, n: int) -> None:
+        """Run ``n`` workers from now on (map-style datasets): new ones take tasks once
+        ready; removed ones finish what they hold first. Nothing is lost or repeated."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"scale_to() takes a worker count >= 1, got {n!r}")
+        if self._dataset_kind == _DatasetKind.Iterable:
+            raise ValueError("an IterableDataset's worker count is fixed: each worker "
+                             "iterates its own shard")
+        if self._runtime.closed:
+            raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
+        while self._sched.num_workers < n:
+            self._apply(self._sched.add_worker(self._next_index))
+        while self._sched.num_workers > n:
+            self._apply(self._sched.retire_worker())
+        loader = self._loader_ref()
+        if loader is not None:  # the next iterator starts with as many
+            loader._autoscale_workers = n
+
+    def _autoscale(self) -> None:
+        """Once per ``interval``: ask the autoscaler, and carry out its decision."""
+        scaler = self._autoscaler
+        assert scaler is not None
+        now = time.monotonic()
+        window = scaler._window
+        if window is not None and now - window[0] < scaler.policy.interval:
+            return
+        if not self._sched.workers.all_ready():  # starting up: not the loop's pace yet
+            scaler.begin(now, self._waited_total, self._taken_total)
+            return
+        records = self._sched.workers.records
+        for rec in records:  # an added worker that never started is given up
+            if (rec.added and not rec.ready and not rec.gone and not rec.retiring
+                    and now - self._added_at.get(rec.id, now) > self._startup_timeout
+                    and self._sched.num_workers > 1):
+                logger.warning("dpex autoscale: worker %s did not start within %g s; "
+                               "given up", rec.id, self._startup_timeout)
+                self._apply(self._sched.retire_worker(rec.id))
+        starting = sum(r.added and not r.ready and not r.gone for r in records)
+        workers = self._sched.num_workers
+        new = scaler.tick(now, self._waited_total, self._taken_total, workers, starting,
+                          median(self._sched.batch_times), self._room())
+        if new is None or new == workers:
+            return
+        decision = scaler.decisions[-1]
+        logger.info("dpex autoscale: %d -> %d workers: %s", workers, new, decision["reason"])
+        self.scale_to(new)
+
+    def _room(self) -> int | None:
+        """How many more workers the cluster can place now (None: they reserve nothing,
+        so any number can; the autoscaler notices when they no longer help)."""
+        demand = getattr(self._runtime.workers, "demand", None)
+        if not demand:
+            return None
+        free = ray.available_resources()
+        return max(0, min(int(free.get(name, 0.0) // amount) for name, amount in demand.items()))
+
+    def _start_worker(self, w: int) -> None:
+        """Start an added worker (a new id), seeded as torch seeds worker ``w``."""
+        assert w == len(self._specs), (w, len(self._specs))
+        self._specs.append(dataclasses.replace(
+            self._specs[0], worker_id=w, incarnation=0, ring=self._new_ring(w),
+            shared_seed=self._worker_shared_seed, rng_state=None,
+            num_workers=self._sched.num_workers))
+        self._added_at[w] = time.monotonic()
+        self._runtime.workers.add(self._specs[w], self._shipped)
+
+    def _stop_worker(self, w: int) -> None:
+        """A retired worker holds nothing: end its session (its exit is expected)."""
+        self._runtime.workers.retire(w)
+        self._loop.call_soon(self._session.forget, w)
+        ring = self._specs[w].ring
+        if ring is not None:
+            self._loop.call_soon(self._session.retire_ring, ring.ring_id)
+

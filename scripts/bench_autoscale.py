@@ -1,0 +1,209 @@
+"""Autoscaling benchmark: does ``num_workers=dpex.Autoscale(...)`` find the worker count a
+sweep of fixed counts finds best, how fast, and what does the stall share do?
+
+Three loops over the same kind of dataset (each batch takes a worker ``--batch-ms``):
+
+- ``fast``: the loop's step takes 5 ms: it needs about batch/step workers;
+- ``slow``: the step takes 60 ms: one worker keeps up;
+- ``cpu``: the batch burns CPU instead of waiting (decoding on this machine's cores):
+  more workers than cores do not help, whatever the stall.
+
+The ``fast`` and ``slow`` batches *wait* (``time.sleep``), as a fetch from remote
+storage does, so that one 2-core machine can show what a cluster with enough CPUs
+would. For each loop: a sweep of fixed ``num_workers`` (steady-state batches/s, an
+epoch after a warm-up one), then ``Autoscale(min=1, max=16)`` from a cold start. Best
+fixed count: the fewest workers within 5 % of the sweep's highest rate. Chosen: the
+count the autoscaler held most of the run after its first decision. Predicted:
+``scale_model.workers_needed`` from the loop's step and the workers' batch time
+(``stats()["worker_batch_s"]``) measured with one worker. Settled: the decision that
+reached the chosen count, counted from the autoscaler's first measurement (the
+workers' start comes before).
+
+    python scripts/bench_autoscale.py            # ~4 min; writes docs/bench/autoscale.*
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cloudpickle  # noqa: E402
+import torch  # noqa: E402
+from scale_model import workers_needed  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+from dpex import Autoscale, DpexDataLoader  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "bench")
+
+
+class Batches(Dataset):
+    """Item i costs ``cost_s``: waited (``burn=False``) or burnt on a CPU."""
+
+    def __init__(self, n: int, cost_s: float, burn: bool) -> None:
+        self.n, self.cost_s, self.burn = n, cost_s, burn
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.burn:
+            end = time.thread_time() + self.cost_s
+            while time.thread_time() < end:
+                pass
+        else:
+            time.sleep(self.cost_s)
+        return torch.full((256,), float(i))
+
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+LOOPS = {  # name: (step of the training loop s, batch burns CPU)
+    "fast": (0.005, False),
+    "slow": (0.060, False),
+    "cpu": (0.005, True),
+}
+SWEEPS = {"fast": [1, 2, 4, 6, 8, 10, 12], "slow": [1, 2, 3, 4], "cpu": [1, 2, 3, 4]}
+
+
+def loader(n: int, cost_s: float, burn: bool, workers: int) -> DpexDataLoader:
+    return DpexDataLoader(Batches(n, cost_s, burn), batch_size=None, num_workers=workers,
+                          persistent_workers=True, distribute_mode=True)
+
+
+def steady_rate(step_s: float, cost_s: float, burn: bool, workers: int, batches: int) -> dict:
+    """batches/s of the loop in its second epoch (the first starts the workers)."""
+    with loader(batches, cost_s, burn, workers) as ld:
+        for _ in ld:
+            time.sleep(step_s)
+        t0 = time.monotonic()
+        for _ in ld:
+            time.sleep(step_s)
+        wall = time.monotonic() - t0
+        stats = ld.stats()
+    return {"workers": workers, "rate": batches / wall, "stall_share": stats["data_wait_share"],
+            "worker_batch_s": stats["worker_batch_s"]}
+
+
+def autoscaled(step_s: float, cost_s: float, burn: bool, seconds: float) -> dict:
+    """Autoscale(min=1, max=16) from a cold start, for about ``seconds``."""
+    policy = Autoscale(1, 16, interval=0.5)
+    n = int(seconds / step_s)
+    with DpexDataLoader(Batches(n, cost_s, burn), batch_size=None, num_workers=policy,
+                        distribute_mode=True) as ld:
+        t0 = time.monotonic()
+        first = None
+        for _ in ld:
+            if first is None:
+                first = time.monotonic() - t0
+            time.sleep(step_s)
+        report = ld.stats()["autoscale"]
+    return {"first_batch_s": first, **report}
+
+
+def summarize(name: str, sweep: list[dict], auto: dict, predicted: int) -> dict:
+    top = max(r["rate"] for r in sweep)
+    best = min(r["workers"] for r in sweep if r["rate"] >= 0.95 * top)
+    history, decisions = auto["history"], auto["decisions"]
+    start = history[0]["t"] if history else 0.0
+    first = decisions[0]["t"] if decisions else start
+    # what it held most of the time once it had decided (a later retry of a ceiling,
+    # a few windows long, is not its choice)
+    held = collections.Counter(h["workers"] for h in history if h["t"] > first)
+    chosen = held.most_common(1)[0][0] if held else auto["workers"]
+    settle = max((d["t"] for d in decisions if d["to"] == chosen), default=start) - start
+    tail = history[-5:]
+    return {"loop": name, "best_fixed": best, "best_rate": top, "predicted": predicted,
+            "chosen": chosen, "decisions": len(decisions),
+            "settle_s": settle,
+            "stall_before": history[0]["stall_share"] if history else None,
+            "stall_after": sum(h["stall_share"] for h in tail) / len(tail) if tail else None}
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), squeeze=False)
+    for ax, (name, res) in zip(axes[0], results.items(), strict=True):
+        hist = res["auto"]["history"]
+        t = [h["t"] for h in hist]
+        ax.step(t, [h["workers"] for h in hist], where="post", color="tab:blue",
+                label="workers")
+        ax.axhline(res["summary"]["best_fixed"], color="tab:blue", ls=":",
+                   label="best fixed count")
+        ax.set_xlabel("seconds since the autoscaler started")
+        ax.set_ylabel("workers", color="tab:blue")
+        ax.set_title(f"{name} loop")
+        share = ax.twinx()
+        share.plot(t, [100 * h["stall_share"] for h in hist], color="tab:red",
+                   label="data stall %")
+        share.axhline(5, color="tab:red", ls=":", label="target 5 %")
+        share.set_ylabel("data stall %", color="tab:red")
+        share.set_ylim(0, 100)
+        ax.legend(loc="center right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| loop | best fixed count (sweep) | predicted (scale_model) | autoscaler chose "
+             "| settled after | stall share: first window → last 5 |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['loop']} | {r['best_fixed']} ({r['best_rate']:.0f} batches/s) | "
+                     f"{r['predicted']} | {r['chosen']} | {r['settle_s']:.1f} s | "
+                     f"{r['stall_before']:.0%} → {r['stall_after']:.1%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-ms", type=float, default=40.0, help="a worker's time per batch")
+    p.add_argument("--seconds", type=float, default=15.0, help="length of an autoscaled run")
+    p.add_argument("--loops", default="fast,slow,cpu")
+    p.add_argument("--out", default=OUT)
+    args = p.parse_args()
+    cost = args.batch_ms / 1000
+    results, rows = {}, []
+    for name in args.loops.split(","):
+        step, burn = LOOPS[name]
+        cost_s = cost / 2 if burn else cost  # (a burnt batch: half, the cores are shared)
+        batches = max(60, int(4.0 / max(step, cost_s / max(SWEEPS[name]))))
+        sweep = []
+        for w in SWEEPS[name]:
+            print(f"[{name}] fixed num_workers={w} ...", flush=True)
+            sweep.append(steady_rate(step, cost_s, burn, w, batches))
+            print(f"[{name}]   {sweep[-1]['rate']:.1f} batches/s", flush=True)
+        # the workers' batch time measured with one worker, and the loop's own step; a
+        # batch that burns CPU: no more workers than cores help (scale_model's
+        # --shared-cores model)
+        predicted = workers_needed(sweep[0]["worker_batch_s"], step)
+        if burn:
+            predicted = min(predicted, os.cpu_count() or 1)
+        print(f"[{name}] Autoscale(min=1, max=16), {args.seconds:g} s ...", flush=True)
+        auto = autoscaled(step, cost_s, burn, args.seconds)
+        summary = summarize(name, sweep, auto, predicted)
+        print(f"[{name}] {summary}", flush=True)
+        results[name] = {"sweep": sweep, "auto": auto, "summary": summary}
+        rows.append(summary)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "autoscale.json"), "w") as f:
+        json.dump({"batch_ms": args.batch_ms, "cpus": os.cpu_count(), "results": results},
+                  f, indent=1, default=float)
+    md = table(rows)
+    with open(os.path.join(args.out, "autoscale.md"), "w") as f:
+        f.write(md + "\n")
+    plot(results, os.path.join(args.out, "autoscale.png"))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
