@@ -87,7 +87,8 @@ def test_sessions_added_mid_epoch_on_the_other_host_carry_their_batches_over_the
         hosts, far_fleet):
     before = hosts.rx_bytes()
     # 2 logical workers -> 4 after 3 batches: the new sessions run on the far host too
-    stats = trainer(hosts, "--scale-to", "3:4")[1]["stats"]  # (each batch checked exact)
+    # (each batch checked exact; a 50 ms step leaves the new sessions time to start)
+    stats = trainer(hosts, "--scale-to", "3:4", "--step-s", "0.05", "--epochs", "3")[1]["stats"]
     received = hosts.rx_bytes() - before
     assert received > 2 * 48 * 3 * 224 * 224, received
     assert stats["dropped"]["added"] == 2

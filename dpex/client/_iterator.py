@@ -460,7 +460,8 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         raise WorkerDiedError(
             f"dpex worker {w} (pid {pid}, node {where}) died after {restarts} "
             f"restart(s), the most max_worker_restarts={self._sched.max_restarts} allows: "
-            f"{type(cause).__name__}: {cause}"
+            + (f"{type(cause).__name__}: {cause}" if exit_.error is not None
+               else "its session ended without an error")
         ) from exit_.error
 
     def resume_points(self, mid_epoch: bool) -> dict[int, tuple[int, int]]:

@@ -168,10 +168,13 @@ def _remove(actors: list[Any], progress: Callable[[str], None]) -> None:
     ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=_MOVE_S)
     deadline = time.monotonic() + _MOVE_S
     while time.monotonic() < deadline:
-        refs = [a.fleet_stats.remote() for a in actors]
+        # Idle (no session, no session process left): every serve call has returned, so
+        # each trainer sees its session end cleanly (a move), not the worker's death.
+        refs = [a.reusable.remote() for a in actors]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
         try:
-            if all(ray.get(r)["sessions_active"] == 0 for r in done) and len(done) == len(refs):
+            if len(done) == len(refs) and all(ray.get(done)):
+                time.sleep(0.5)  # (the calls' replies on their way to the trainers)
                 break
         except ray.exceptions.RayError:
             break
