@@ -71,5 +71,7 @@ def choose_workers(fleet: str, n: int) -> list[Any]:
                 f"{info.get('versions')}, but this trainer runs {ours}: restart the fleet "
                 "with the trainer's dpex and Python")
     handles = dict(actors)
-    order = sorted(stats, key=lambda i: (stats[i]["sessions_active"], random.random()))
+    # (not a worker being removed, whose sessions are moving off it, unless it is all)
+    usable = [i for i in stats if not stats[i].get("draining")] or list(stats)
+    order = sorted(usable, key=lambda i: (stats[i]["sessions_active"], random.random()))
     return [handles[order[k % len(order)]] for k in range(n)]

@@ -34,7 +34,7 @@ class LoaderStats(TypedDict, total=False):
     workers_ready: int
     workers: dict[int, WorkerStats]
     credits_in_flight: int  # batches dispatched and not yet taken (<= the window)
-    worker_batch_s: float | None  # the workers' median time per batch, recent batches
+    worker_batch_s: float | None  # the workers' mean time per batch, recent batches
     dataset_bytes: int  # the pickled dataset, collate_fn and worker_init_fn shipped
     dataset_reused: bool  # the same bytes as the loader's previous iterator: not shipped again
     received: int  # data messages accepted

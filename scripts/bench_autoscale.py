@@ -16,7 +16,7 @@ fixed count: the fewest workers within 5 % of the sweep's highest rate. Chosen: 
 count the autoscaler held most of the run after its first decision. Predicted:
 ``scale_model.workers_needed`` from the loop's step and the workers' batch time
 (``stats()["worker_batch_s"]``) measured with one worker. Settled: the decision that
-reached the chosen count, counted from the autoscaler's first measurement (the
+first reached the chosen count, counted from the autoscaler's first measurement (the
 workers' start comes before).
 
     python scripts/bench_autoscale.py            # ~4 min; writes docs/bench/autoscale.*
@@ -116,7 +116,7 @@ def summarize(name: str, sweep: list[dict], auto: dict, predicted: int) -> dict:
     # a few windows long, is not its choice)
     held = collections.Counter(h["workers"] for h in history if h["t"] > first)
     chosen = held.most_common(1)[0][0] if held else auto["workers"]
-    settle = max((d["t"] for d in decisions if d["to"] == chosen), default=start) - start
+    settle = min((d["t"] for d in decisions if d["to"] == chosen), default=start) - start
     tail = history[-5:]
     return {"loop": name, "best_fixed": best, "best_rate": top, "predicted": predicted,
             "chosen": chosen, "decisions": len(decisions),
@@ -170,9 +170,21 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=15.0, help="length of an autoscaled run")
     p.add_argument("--loops", default="fast,slow,cpu")
     p.add_argument("--out", default=OUT)
+    p.add_argument("--replot", action="store_true",
+                   help="only redo the table and plot from the JSON of the last run")
     args = p.parse_args()
     cost = args.batch_ms / 1000
     results, rows = {}, []
+    if args.replot:
+        with open(os.path.join(args.out, "autoscale.json")) as f:
+            saved = json.load(f)
+        for name, res in saved["results"].items():
+            res["summary"] = summarize(name, res["sweep"], res["auto"],
+                                       res["summary"]["predicted"])
+            results[name] = res
+            rows.append(res["summary"])
+        write(args.out, saved["batch_ms"], results, rows)
+        return
     for name in args.loops.split(","):
         step, burn = LOOPS[name]
         cost_s = cost / 2 if burn else cost  # (a burnt batch: half, the cores are shared)
@@ -194,14 +206,18 @@ def main() -> None:
         print(f"[{name}] {summary}", flush=True)
         results[name] = {"sweep": sweep, "auto": auto, "summary": summary}
         rows.append(summary)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "autoscale.json"), "w") as f:
-        json.dump({"batch_ms": args.batch_ms, "cpus": os.cpu_count(), "results": results},
+    write(args.out, args.batch_ms, results, rows)
+
+
+def write(out: str, batch_ms: float, results: dict, rows: list[dict]) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "autoscale.json"), "w") as f:
+        json.dump({"batch_ms": batch_ms, "cpus": os.cpu_count(), "results": results},
                   f, indent=1, default=float)
     md = table(rows)
-    with open(os.path.join(args.out, "autoscale.md"), "w") as f:
+    with open(os.path.join(out, "autoscale.md"), "w") as f:
         f.write(md + "\n")
-    plot(results, os.path.join(args.out, "autoscale.png"))
+    plot(results, os.path.join(out, "autoscale.png"))
     print(md)
 
 

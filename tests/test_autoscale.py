@@ -77,8 +77,12 @@ def test_a_stalled_loop_goes_straight_to_the_workers_it_needs_then_holds():
     assert loop.window(stall=0.5, rate=10, batch_s=0.2) is None
     assert loop.window(stall=0.5, rate=10, batch_s=0.2) == 1  # the trial: 5 were no better
     loop = Loop(Autoscale(1, 32), workers=2)  # the loop waits, yet 2 are more than enough
-    for _ in range(5):
+    for _ in range(2):
         assert loop.window(stall=0.5, rate=40, batch_s=0.005) is None
+    assert loop.window(stall=0.5, rate=40, batch_s=0.005) == 3  # it lasts: one more, tried
+    for _ in range(2):
+        assert loop.window(stall=0.5, rate=40, batch_s=0.005) is None  # (held)
+    assert loop.window(stall=0.5, rate=40, batch_s=0.005) == 2  # no better: back
 
 
 def test_more_workers_that_do_not_raise_the_rate_are_taken_back_and_capped_a_while():
@@ -171,10 +175,15 @@ def test_workers_added_and_retired_mid_epoch_change_no_batch():
     got += [next(it) for _ in range(10)]
     ready = it.stats()["workers"]
     loader.scale_workers(1)
+    got += [next(it) for _ in range(40)]  # (the retired workers' batches taken by now)
+    t0 = time.monotonic()
+    state = loader.state_dict()  # asks no retired worker (it would never answer)
+    asked_s = time.monotonic() - t0
     got += list(it)
     stats = loader.stats()
     loader.close()
     assert_same(want, got)
+    assert asked_s < 10 and state["worker_rng_num_workers"] == 0  # ids no longer fit
     assert len(ready) == 3 and all(w["batches"] for w in ready.values())
     assert stats["dropped"]["added"] == 2 and stats["dropped"]["retired"] == 2
     assert [w for w, info in stats["workers"].items() if info["retired"]] == [1, 2]

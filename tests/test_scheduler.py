@@ -424,3 +424,23 @@ def test_an_iterable_dataset_gets_each_shard_exactly_whatever_happens(seed):
         for w in range(workers):  # each shard whole and in order; shards interleaved
             assert [n for v, n in got if v == w] == list(range(shard))
         assert len(got) == workers * shard
+
+
+def test_in_order_false_never_waits_for_a_worker_that_is_still_starting():
+    s, draw = EpochScheduler(2, 2, in_order=False), draw_from([[i] for i in range(30)])
+    s.start_epoch(draw)
+    s.ready(0, {})
+    s.ready(1, {})
+    actions = s.add_worker(draw)  # never ready (Ray cannot place it, say)
+    assert actions[0] == StartWorker(2)
+    assert s.ledger.held(2) == 0  # its credit went to the others
+    taken = []
+    for _ in range(200):
+        for w in (0, 1):
+            s.results([msg(1, seq, w, payload=idx) for seq, idx in s.ledger.outstanding(w)])
+        got, _ = s.take(draw)
+        if got is EPOCH_END:
+            break
+        if got is not None:
+            taken.append(got.payload[0])
+    assert sorted(taken) == list(range(30))  # every batch, none waiting on worker 2

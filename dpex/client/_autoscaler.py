@@ -21,7 +21,8 @@ Rules (hysteresis: up fast, down slowly):
 3. ``stall < target / 2`` for ``patience`` windows in a row: down to ``need`` plus
    35 % if that is fewer, not under ``min``.
 4. No scale-up while ``need`` plus 15 % is no more than the workers there are (the
-   wait is elsewhere: more would not shorten it).
+   wait may be elsewhere); if the stall lasts ``patience`` windows, one more worker
+   is tried (and judged as in rule 2).
 5. No decision while added workers start, for two windows after a change, and in
    the first window of an epoch.
 """
@@ -52,6 +53,7 @@ class Autoscaler:
         self.decisions: collections.deque[dict] = collections.deque(maxlen=200)
         self._window: tuple[float, float, int] | None = None
         self._calm = 0
+        self._blocked = 0  # stalled windows in a row that rule 4 held back
         self._hold = 0  # windows left before the next decision
         self._trial: tuple[int, float] | None = None  # (workers before, loop rate before)
         self._ceiling: tuple[int, float] | None = None  # (workers, until when)
@@ -109,16 +111,19 @@ class Autoscaler:
             self._ceiling = None
         if stall > target:
             self._calm = 0
-            if need is not None and need * (1 + _UP_MARGIN) <= workers:
-                return None  # enough by their batch times: the wait is elsewhere (a slow
-                # start, the transfer), and more workers would not shorten it
+            enough = need is not None and need * (1 + _UP_MARGIN) <= workers
+            self._blocked = self._blocked + 1 if enough else 0
+            if enough and self._blocked < self.policy.patience:
+                return None  # enough by their batch times: the wait may be elsewhere (a
+                # slow start, the transfer); if it lasts, one more is tried (a trial)
             top = self.most if self._ceiling is None else min(self.most, self._ceiling[0])
             if room is not None:
                 top = min(top, workers + room)
             if workers >= top:
                 return None
             want = workers * 2 if need is None else math.ceil(need * (1 + _UP_MARGIN))
-            new = min(top, max(workers + 1, want))
+            new = min(top, workers + 1 if enough else max(workers + 1, want))
+            self._blocked = 0
             self._trial = (workers, rate)
             return self._decide(now, workers, new, figures, (
                 f"the loop waited for data {stall:.0%} of the last {span:.1f} s (target "

@@ -23,14 +23,16 @@ from torch.utils.data import _DatasetKind
 
 from dpex.errors import IteratorClosedError
 
-__all__ = ["ElasticWorkers", "median"]
+__all__ = ["ElasticWorkers", "mean"]
 
 logger = logging.getLogger("dpex")
 
 
-def median(values: Any) -> float | None:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else None
+def mean(values: Any) -> float | None:
+    """(The mean, not the median: a worker's throughput is 1 / its mean batch time,
+    heavy tails included.)"""
+    values = list(values)
+    return sum(values) / len(values) if values else None
 
 
 class ElasticWorkers:
@@ -78,23 +80,29 @@ class ElasticWorkers:
         if not self._sched.workers.all_ready():  # starting up: not the loop's pace yet
             scaler.begin(now, self._waited_total, self._taken_total)
             return
+        self._give_up_unstarted()
         records = self._sched.workers.records
-        for rec in records:  # an added worker that never started is given up
-            if (rec.added and not rec.ready and not rec.gone and not rec.retiring
-                    and now - self._added_at.get(rec.id, now) > self._startup_timeout
-                    and self._sched.num_workers > 1):
-                logger.warning("dpex autoscale: worker %s did not start within %g s; "
-                               "given up", rec.id, self._startup_timeout)
-                self._apply(self._sched.retire_worker(rec.id))
         starting = sum(r.added and not r.ready and not r.gone for r in records)
         workers = self._sched.num_workers
         new = scaler.tick(now, self._waited_total, self._taken_total, workers, starting,
-                          median(self._sched.batch_times), self._room())
+                          mean(self._sched.batch_times), self._room())
         if new is None or new == workers:
             return
         decision = scaler.decisions[-1]
         logger.info("dpex autoscale: %d -> %d workers: %s", workers, new, decision["reason"])
         self.scale_to(new)
+
+    def _give_up_unstarted(self) -> None:
+        """An added worker (or its replacement) not ready within ``startup_timeout`` is
+        given up: the others take what it held."""
+        now = time.monotonic()
+        for rec in self._sched.workers.records:
+            if (rec.added and not rec.ready and rec.accepting
+                    and now - self._added_at.get(rec.id, now) > self._startup_timeout
+                    and self._sched.num_workers > 1):
+                logger.warning("dpex: added worker %s did not start within %g s; given up",
+                               rec.id, self._startup_timeout)
+                self._apply(self._sched.retire_worker(rec.id))
 
     def _room(self) -> int | None:
         """How many more workers the cluster can place now (None: they reserve nothing,

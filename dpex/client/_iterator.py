@@ -37,7 +37,7 @@ from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._stats import LoaderStats, WorkerStats
 from dpex._version import local_versions
 from dpex.client._autoscaler import Autoscaler
-from dpex.client._elastic import ElasticWorkers, median
+from dpex.client._elastic import ElasticWorkers, mean
 from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
 from dpex.client._scheduler import (
     EPOCH_END,
@@ -414,6 +414,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
     def _check_lost(self) -> None:
         self._lost_check_at = time.monotonic() + _LOST_CHECK_S
         self._apply(self._sched.check_lost())
+        self._give_up_unstarted()
 
     def _on_hello(self, hello: WorkerHello) -> None:
         theirs, ours = hello.info.get("versions"), local_versions()
@@ -434,7 +435,8 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         actions = self._sched.exited(
             w, exit_.incarnation, startup_error=isinstance(cause, WorkerStartupError),
             # A worker never placed because its node went away is placed again, like a death.
-            unplaced=isinstance(cause, ray.exceptions.ActorUnschedulableError),
+            unplaced=isinstance(cause, ray.exceptions.ActorUnschedulableError) or (
+                exit_.error is None and isinstance(self._runtime.workers, FleetGroup)),
             cause=type(cause).__name__ if exit_.error is not None else "session ended",
             at=exit_.at,
             # A fleet worker ended the session cleanly (removed by `dpex fleet scale`).
@@ -456,7 +458,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
                 f"dpex worker {exit_.worker_id} (node {where}) failed to start: {what}"
             ) from exit_.error
         pid = self._known.get(w, {}).get("pid", "?")
-        restarts = self._sched.workers[w].incarnation
+        restarts = self._sched.workers[w].incarnation - self._sched.workers[w].moves
         raise WorkerDiedError(
             f"dpex worker {w} (pid {pid}, node {where}) died after {restarts} "
             f"restart(s), the most max_worker_restarts={self._sched.max_restarts} allows: "
@@ -469,7 +471,16 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         map-style dataset: its workers' RNG states say nothing about later batches)."""
         if self._per_batch and self._dataset_kind != _DatasetKind.Iterable:
             return {}
-        return self._taken.resume_points(self._sched.epoch, mid_epoch)
+        points = self._taken.resume_points(self._sched.epoch, mid_epoch)
+        # a retired worker's session is gone: nobody to ask (its id resumes from its seed)
+        return {w: at for w, at in points.items() if not self._sched.workers[w].gone}
+
+    @property
+    def rng_worker_count(self) -> int:
+        """The worker count the workers' RNG states belong to; 0 once workers were added
+        or retired (their ids no longer say which batches they make)."""
+        changed = self._sched.counters["added"] or self._sched.counters["retired"]
+        return 0 if changed else self._num_workers
 
     @property
     def epochs_served(self) -> int:
@@ -522,6 +533,8 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         old = self._specs[w].ring
         if old is not None:
             self._loop.call_soon(self._session.retire_ring, old.ring_id)
+        if w in self._added_at:  # (an added worker's replacement: its own start time)
+            self._added_at[w] = time.monotonic()
         self._specs[w] = spec = dataclasses.replace(
             self._specs[w], incarnation=incarnation,
             shared_seed=self._worker_shared_seed, ring=self._new_ring(w),
@@ -613,7 +626,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
             "workers_ready": len(self._ready),
             "workers": workers,
             "credits_in_flight": self._sched.in_flight,
-            "worker_batch_s": median(self._sched.batch_times),
+            "worker_batch_s": mean(self._sched.batch_times),
             "dataset_bytes": self._shipped_bytes,
             "dataset_reused": self._shipped_reused,
             **session,

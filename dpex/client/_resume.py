@@ -292,7 +292,8 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     position = Position(boundary() if finished else state)
     dpex_workers = callable(getattr(iterator, "worker_rng_states", None))
     if dpex_workers:
-        state["worker_rng_num_workers"] = loader.num_workers
+        state["worker_rng_num_workers"] = getattr(iterator, "rng_worker_count",
+                                                  loader.num_workers)
         position.iterator = weakref.ref(iterator)
         position.asked = iterator.resume_points(mid_epoch=not finished)
     if finished:

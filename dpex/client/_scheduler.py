@@ -206,6 +206,7 @@ class EpochScheduler:
         for w in ended:
             rec = self.workers[w]
             rec.active, rec.ended_seq = False, -1
+        self._stop_drained()
         self._skipped = dict(skips or {})
         self._out += [Control(w, Kind.SKIP, self.epoch, n) for w, n in self._skipped.items()
                       if n]
@@ -218,17 +219,22 @@ class EpochScheduler:
         one holding fewer than its share of the window, so a slow worker cannot hoard it.
         A map-style dataset's replacement that is still starting is passed over while
         another worker can take the batch (an IterableDataset's shard is its worker's)."""
-        share = self.capacity // max(1, sum(r.active and r.accepting
+        # (the share of those that can start a task now: an added worker that is still
+        # starting lends its credit to the others)
+        share = self.capacity // max(1, sum(r.active and r.accepting and not r.starting
                                             for r in self.workers.records))
         fallback = None
         for _ in range(len(self.workers)):
             rec = self.workers[self._turn]
             self._turn = (self._turn + 1) % len(self.workers)
             if rec.active and rec.accepting and (
-                    self.in_order or self.ledger.held(rec.id) < share):
+                    self.in_order or rec.starting or self.ledger.held(rec.id) < share):
                 if not rec.starting or self.iterable:
                     return rec.id
                 fallback = rec.id if fallback is None else fallback
+        if fallback is not None and self.workers[fallback].added and any(
+                r.accepting and r.active and not r.starting for r in self.workers.records):
+            return None  # the others are at their share: wait for a credit, not for it
         return fallback
 
     def _dispatch(self, draw: Callable[[], Any], n: int) -> None:
@@ -236,11 +242,17 @@ class EpochScheduler:
         for _ in range(n):
             if self.in_flight >= self.capacity:
                 break
+            # A map-style batch is drawn only once a worker can take it (none can while
+            # the others are at their share and an added one starts: in_order=False).
+            w = None if self.iterable else self._next_worker()
+            if w is None and not self.iterable:
+                break
             try:
                 index = draw()
             except StopIteration:
                 break
-            w = self._next_worker()
+            if self.iterable:
+                w = self._next_worker()
             if w is None:
                 # As torch: the drawn index is dropped. Only an IterableDataset (whose
                 # "indices" are placeholders) can have no worker here.
@@ -315,7 +327,15 @@ class EpochScheduler:
     def results(self, messages: list[Message]) -> list[Any]:
         for msg in messages:
             self._result(msg)
+        self._stop_drained()
         return self._actions()
+
+    def _stop_drained(self) -> None:
+        """Stop each retiring worker that holds nothing any more (its last results came,
+        or others computed them: a hand-over after a loss)."""
+        for rec in self.workers.records:
+            if rec.retiring and not rec.gone and not self.ledger.pending(rec.id):
+                self._stop(rec.id)
 
     def _result(self, msg: Message) -> None:
         owner = self.ledger.worker_of(msg.seq)
@@ -352,9 +372,6 @@ class EpochScheduler:
             rec.active, rec.ended_seq = False, msg.seq
         if not self.buffer.put(msg.seq, msg):
             self.counters["stale"] += 1
-        rec = self.workers[msg.worker_id]
-        if rec.retiring and not rec.gone and not self.ledger.pending(rec.id):
-            self._stop(rec.id)
 
     def ready(self, worker_id: int, info: dict) -> list[Any]:
         """The current incarnation of ``worker_id`` said HELLO."""
@@ -384,7 +401,7 @@ class EpochScheduler:
             self.counters["retired_died" if rec.retiring else "add_failed"] += 1
             rec.retiring = True
             self._unqueue(worker_id)
-            self._stop(worker_id, stopped=True)
+            self._stop(worker_id)  # (its StopWorker cleans up after the dead actor)
             return self._actions()
         if moved:
             rec.moves += 1
@@ -478,7 +495,7 @@ class EpochScheduler:
         ready = [r for r in others if r.ready] or others
         return min(ready, key=lambda r: self.ledger.held(r.id)).id
 
-    def _stop(self, w: int, stopped: bool = False) -> None:
+    def _stop(self, w: int) -> None:
         """``w`` (retiring) is gone; whatever it still held goes to the others."""
         rec = self.workers[w]
         rec.gone, rec.info = True, None
@@ -489,8 +506,7 @@ class EpochScheduler:
                 v = self._least_held(exclude=w)
                 self.losses.sent(seq)
                 self._out.append(SendTasks(v, self.epoch, [(seq, self.ledger.reassign(seq, v))]))
-        if not stopped:
-            self._out.append(StopWorker(w))
+        self._out.append(StopWorker(w))
 
     # -- lost batches -----------------------------------------------------------------
 
@@ -504,6 +520,7 @@ class EpochScheduler:
         for w, tasks in lost.items():
             self.counters["lost"] += len(tasks)
             self._recompute(w, tasks, avoid=set(lost))
+        self._stop_drained()
         return self._actions()
 
     def _recompute(self, w: int, tasks: list[tuple[int, Any]],

@@ -129,6 +129,7 @@ class DpexWorker:
         self.session_timeout = session_timeout
         self.pooled = pooled
         self.fleet_setting = fleet_setting
+        self.draining = False
         self.placement = _placement()
         self._sessions: set[_Session] = set()
         self._computes: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
@@ -157,10 +158,13 @@ class DpexWorker:
                     counters[name] += n
         return {**self.placement, "versions": local_versions(),
                 "sessions_active": len(self._sessions), "fleet_setting": self.fleet_setting,
+                "draining": self.draining,
                 **counters}
 
     async def stop(self) -> None:
-        """End every session this worker serves."""
+        """End every session this worker serves, and take no new one from a trainer
+        that chooses by ``fleet_stats`` (it is being removed: ``dpex fleet scale``)."""
+        self.draining = True
         for session in list(self._sessions):
             session.stop.set()
 

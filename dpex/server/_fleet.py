@@ -221,7 +221,10 @@ def autoscale_fleet(fleet: str, minimum: int, maximum: int, interval: float = 2.
         if target != len(actors):
             progress(f"{sessions} sessions on {len(actors)} workers: scaling to {target}")
             if target > len(actors):
-                scale_fleet(fleet, target, progress=progress)
+                try:
+                    scale_fleet(fleet, target, timeout=max(interval, 10.0), progress=progress)
+                except FleetError as exc:  # no room now: the next round tries again
+                    progress(f"could not grow to {target}: {exc}")
             else:
                 handles = dict(actors)
                 victims = sorted(idle, reverse=True)[:len(actors) - target]
