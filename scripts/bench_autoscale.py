@@ -141,6 +141,7 @@ def plot(results: dict, path: str) -> None:
                    label="best fixed count")
         ax.set_xlabel("seconds since the autoscaler started")
         ax.set_ylabel("workers", color="tab:blue")
+        ax.set_ylim(0, max([h["workers"] for h in hist] + [res["summary"]["best_fixed"]]) + 1)
         ax.set_title(f"{name} loop")
         share = ax.twinx()
         share.plot(t, [100 * h["stall_share"] for h in hist], color="tab:red",

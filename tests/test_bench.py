@@ -1,6 +1,7 @@
 """scripts/bench.py runs end to end (a smoke run; figures live in docs/BENCHMARKS.md)."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -32,7 +33,8 @@ def test_scale_model_measures_the_costs_and_finds_the_limit():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "scale_model.py"), "--scenario", "small",
-         "--batches", "300", "--bandwidth-gbps", "10", "--max-workers", "64"],
+         "--batches", "300", "--bandwidth-gbps", "10", "--max-workers", "64",
+         "--loop-step-ms", "0.5"],
         capture_output=True, text=True, timeout=170, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     costs = re.search(r"worker ([\d.]+) ms CPU/batch, trainer (\d+) µs CPU/batch", proc.stdout)
@@ -43,6 +45,25 @@ def test_scale_model_measures_the_costs_and_finds_the_limit():
     assert predicted == sorted(predicted)  # more workers never predict less
     assert rows[1].endswith("| workers |")  # one worker cannot saturate a rank
     assert rows[-1].endswith(("| trainer CPU |", "| network |"))  # 64 can
+    # the workers a 0.5 ms loop step needs: worker CPU per batch / step, +15 %
+    need = re.search(r"a loop whose step takes 0.5 ms needs (\d+) workers", proc.stdout)
+    assert need and abs(int(need[1]) - math.ceil(float(costs[1]) / 0.5 * 1.15)) <= 1, (
+        proc.stdout)  # (the printed cost is rounded)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_autoscale_bench_writes_its_table_and_plot(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_autoscale.py"), "--loops", "slow",
+         "--seconds", "4", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=580, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "autoscale.json").read_text())
+    summary = data["results"]["slow"]["summary"]
+    assert summary["best_fixed"] == 1 and summary["chosen"] <= 2  # a slow loop needs one
+    assert "| slow |" in proc.stdout and (tmp_path / "autoscale.png").stat().st_size > 5000
 
 
 @pytest.mark.slow

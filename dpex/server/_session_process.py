@@ -139,7 +139,12 @@ def _main(worker_class: type, spec: Any, shipped: bytes, placement: dict,
         outcome = exc
     try:
         conn.send(outcome)
+    except OSError:
+        pass  # the worker stopped listening (its session was ended): nobody to tell
     except Exception:  # an exception that cannot be pickled: keep its text
-        conn.send(RuntimeError(f"{type(outcome).__name__}: {outcome}"))
+        try:
+            conn.send(RuntimeError(f"{type(outcome).__name__}: {outcome}"))
+        except OSError:
+            pass
     finally:
         conn.close()
