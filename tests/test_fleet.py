@@ -162,6 +162,13 @@ def test_a_fleet_the_cluster_cannot_place_fails_and_leaves_nothing(cluster, flee
     assert proc.returncode == 1 and "is running already" in proc.stderr
 
 
+def test_sessions_added_and_retired_mid_epoch_on_a_fleet_keep_the_epoch_exact(cluster, fleet):
+    out = result(trainer(cluster, fleet, "--dataset", "squares", "--scale-to", "3:4",
+                         "--epochs", "2"))  # (2 logical workers -> 4, on 3 fleet workers)
+    assert out["stats"]["dropped"]["added"] == 2
+    assert {w for w, info in out["stats"]["workers"].items()} == {"0", "1", "2", "3"}
+
+
 def test_stop_ends_the_fleet(cluster, fleet):  # last of the fleet's tests
     out = dpex_fleet(cluster, "stop", "--name", fleet).stdout
     assert f"stopped 3 workers of fleet '{fleet}'" in out
@@ -198,13 +205,6 @@ def test_a_fleet_running_another_dpex_is_refused_at_attach(monkeypatch):
             iter(loader)
     finally:
         assert _fleet.stop_fleet("elsewhere") == 1
-
-
-def test_sessions_added_and_retired_mid_epoch_on_a_fleet_keep_the_epoch_exact(cluster, fleet):
-    out = result(trainer(cluster, fleet, "--dataset", "squares", "--scale-to", "3:4",
-                         "--epochs", "2"))  # (2 logical workers -> 4, on 3 fleet workers)
-    assert out["stats"]["dropped"]["added"] == 2
-    assert {w for w, info in out["stats"]["workers"].items()} == {"0", "1", "2", "3"}
 
 
 def test_fleet_scale_grows_and_shrinks_and_moved_sessions_cost_no_restart(cluster, tmp_path):
