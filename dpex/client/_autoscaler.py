@@ -65,6 +65,11 @@ class Autoscaler:
         self._window = (now, waited, taken)
         self._hold = max(self._hold, 1)
 
+    def due(self, now: float) -> bool:
+        """Whether a window has passed (``tick`` would measure): the caller gathers its
+        inputs only then."""
+        return self._window is None or now - self._window[0] >= self.policy.interval
+
     def tick(self, now: float, waited: float, taken: int, workers: int, starting: int,
              batch_s: float | None, room: int | None) -> int | None:
         """The worker count to go to, or None to stay. ``waited``/``taken``: the loop's

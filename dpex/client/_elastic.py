@@ -74,8 +74,7 @@ class ElasticWorkers:
         scaler = self._autoscaler
         assert scaler is not None
         now = time.monotonic()
-        window = scaler._window
-        if window is not None and now - window[0] < scaler.policy.interval:
+        if not scaler.due(now):
             return
         if not self._sched.workers.all_ready():  # starting up: not the loop's pace yet
             scaler.begin(now, self._waited_total, self._taken_total)

@@ -34,7 +34,7 @@ from dpex._ray_connect import connect_ray
 from dpex._reaper import finalizer_for
 from dpex._shm import RingRef
 from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
-from dpex._stats import LoaderStats, WorkerStats
+from dpex._stats import LoaderStats
 from dpex._version import local_versions
 from dpex.client._autoscaler import Autoscaler
 from dpex.client._elastic import ElasticWorkers, mean
@@ -607,17 +607,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
             session = self._session.counters()
         now = time.monotonic()
         epoch_s = (self._epoch_end or now) - self._epoch_t0
-        workers: dict[int, WorkerStats] = {}
-        for rec in self._sched.workers.records:
-            if rec.known is None:
-                continue
-            info = {k: rec.known[k] for k in ("pid", "session_pid", "node_ip", "node_id",
-                                              "transport") if k in rec.known}
-            info["warm"] = rec.id in getattr(self._runtime.workers, "warm", ())
-            up = now - rec.first_ready_at if rec.first_ready_at is not None else 0.0
-            workers[rec.id] = {**info, "batches": rec.batches,
-                               "batches_per_s": rec.batches / up if up > 0 else 0.0,
-                               "retired": rec.gone}
+        workers = self._sched.workers.stats(now, getattr(self._runtime.workers, "warm", ()))
         return {
             "epoch": self._epoch,
             "epoch_s": epoch_s,

@@ -332,7 +332,10 @@ class EpochScheduler:
 
     def _stop_drained(self) -> None:
         """Stop each retiring worker that holds nothing any more (its last results came,
-        or others computed them: a hand-over after a loss)."""
+        or others computed them: a hand-over after a loss). Per burst of results: no
+        loop unless a worker was ever retired (an exit while retiring stops it there)."""
+        if not self.counters["retired"]:
+            return
         for rec in self.workers.records:
             if rec.retiring and not rec.gone and not self.ledger.pending(rec.id):
                 self._stop(rec.id)

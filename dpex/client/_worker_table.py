@@ -82,6 +82,21 @@ class WorkerTable:
     def ready_infos(self) -> dict[int, dict]:
         return {r.id: r.info for r in self.records if r.info is not None and not r.gone}
 
+    def stats(self, now: float, warm: Any = ()) -> dict[int, dict]:
+        """``loader.stats()["workers"]``: each worker that said HELLO (``warm``: the ids
+        whose session runs on a warm worker)."""
+        out = {}
+        for rec in self.records:
+            if rec.known is None:
+                continue
+            info = {k: rec.known[k] for k in ("pid", "session_pid", "node_ip", "node_id",
+                                              "transport") if k in rec.known}
+            up = now - rec.first_ready_at if rec.first_ready_at is not None else 0.0
+            out[rec.id] = {**info, "warm": rec.id in warm, "batches": rec.batches,
+                           "batches_per_s": rec.batches / up if up > 0 else 0.0,
+                           "retired": rec.gone}
+        return out
+
     def known_infos(self) -> dict[int, dict]:
         return {r.id: r.known for r in self.records if r.known is not None}
 
