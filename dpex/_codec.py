@@ -5,8 +5,9 @@ classes defined in ``__main__`` survive the trip) and lifts the memory of every
 CPU tensor and plain ndarray out as a separate buffer that can be sent with
 ``copy=False``. ``decode_batch`` rebuilds each tensor / array with exactly one
 copy into fresh, writable memory, so the received frame can be released at once;
-a buffer given as a numpy array (a span of a shared-memory ring) becomes the
-tensor's memory as it is.
+a buffer given as a numpy array (a span of a shared-memory ring, a received ZeroMQ
+frame) becomes the tensor's memory as it is, unless it is not aligned for the
+tensor's dtype (then it is copied).
 
 Torch pickles a tensor's storage in-band even with protocol 5, which is why
 tensors get their own reducer here. Tensors this codec does not lift (sparse,
@@ -35,8 +36,13 @@ def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def _aligned(buf: np.ndarray, itemsize: int) -> bool:
+    return buf.ctypes.data % itemsize == 0
+
+
 def _rebuild_tensor(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool) -> torch.Tensor:
-    if isinstance(buf, np.ndarray):  # memory the caller hands over (a ring span): no copy
+    if isinstance(buf, np.ndarray) and _aligned(buf, dtype.itemsize):
+        # memory the caller hands over (a ring span, a received frame): no copy
         out = torch.from_numpy(buf).view(dtype).reshape(shape)
     else:
         out = torch.empty(shape, dtype=dtype)
@@ -49,7 +55,7 @@ def _rebuild_tensor(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: b
 
 
 def _rebuild_ndarray(buf: Any, dtype: np.dtype, shape: tuple) -> np.ndarray:
-    if isinstance(buf, np.ndarray):  # handed over: no copy
+    if isinstance(buf, np.ndarray) and _aligned(buf, dtype.itemsize):  # handed over: no copy
         return buf.view(dtype).reshape(shape)
     return np.frombuffer(buf, dtype=np.uint8).copy().view(dtype).reshape(shape)
 

@@ -43,6 +43,9 @@ class DpexConfig:
     worker_id``); ``"per_batch"`` seeds torch, ``random`` and NumPy before every batch
     from (base seed, epoch, batch number), so a batch's random draws do not depend on
     which worker, or how many, computed it (docs/AUTOSCALE.md).
+    ``encryption``: whether batches crossing a socket are encrypted (ZeroMQ CURVE); None
+    follows Ray (encrypted when ``RAY_USE_TLS`` is on). Either way only this iterator's
+    workers may connect and every message is authenticated (docs/FAULTS_AND_SECURITY.md).
     """
 
     distribute_mode: bool = False
@@ -56,6 +59,7 @@ class DpexConfig:
     lost_batch_timeout: float | None = None
     warm_worker_timeout: float = 60.0
     worker_seeding: str = "torch"
+    encryption: bool | None = None
 
     def __post_init__(self) -> None:
         if self.ray_remote_args is None:  # the loader's default
@@ -95,6 +99,9 @@ class DpexConfig:
         if self.worker_seeding not in WORKER_SEEDINGS:
             raise ValueError(f"worker_seeding must be one of {WORKER_SEEDINGS}, got "
                              f"{self.worker_seeding!r}")
+        if self.encryption is not None and not isinstance(self.encryption, bool):
+            raise TypeError("encryption must be True, False or None (follow Ray's TLS), got "
+                            f"{self.encryption!r}")
         if self.worker_pool is not None:
             if not isinstance(self.worker_pool, str) or not self.worker_pool:
                 raise ValueError(f"worker_pool must be a fleet's name, got {self.worker_pool!r}")

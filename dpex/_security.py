@@ -1,14 +1,22 @@
-"""Who may talk to a trainer's sockets: ZeroMQ CURVE with per-iterator keys.
+"""Who may talk to a trainer's sockets, and whether the bytes they send are encrypted.
 
-Every iterator makes two CURVE key pairs: the trainer's (its secret never leaves
-the trainer) and one for its workers. The workers get theirs, with the trainer's
-public key, through Ray (``WorkerSpec.keys``), never on a ZeroMQ port. The
-trainer's PULL and ROUTER sockets are CURVE servers, and a ZAP handler on the
-session's own context admits exactly the workers' public key: a peer without it
-fails the handshake, before libzmq reads a single message from it, so it can
-neither make the trainer buffer data nor claim a worker's route. After the
-handshake every frame is encrypted and authenticated by CURVE (per-connection
-nonces: a frame captured on the wire cannot be replayed or altered).
+Two modes, both admitting exactly this iterator's workers through a ZAP handler on the
+session's own context, in the ZeroMQ handshake: a peer without the credentials is
+refused before libzmq reads a single message from it, so it can neither make the
+trainer buffer data nor claim a worker's route. The credentials are made per iterator
+and reach the workers through Ray (``WorkerSpec.keys``), never on a ZeroMQ port.
+
+- ``authenticated`` (the default): ZeroMQ PLAIN with a random per-iterator password.
+  Frames then travel unencrypted, as NCCL's, Gloo's and Ray's own object transfers do
+  on a cluster network; every message's header and body still carry a MAC under a key
+  that never crosses the network (``_protocol.Wire``), so a peer that learned the
+  password by watching the wire can connect but cannot forge a message.
+- ``encrypted``: ZeroMQ CURVE with per-iterator key pairs (the trainer's secret never
+  leaves the trainer): every frame is encrypted and authenticated with per-connection
+  nonces, so a frame captured on the wire can be neither read, replayed nor altered.
+  On by itself when Ray runs with TLS (``RAY_USE_TLS``); ``DpexDataLoader(encryption=True)``
+  asks for it. It costs the trainer about 0.5 ms of CPU per MiB received
+  (docs/FAULTS_AND_SECURITY.md).
 
 Control messages are also numbered per worker incarnation (``ControlFreshness``),
 so a control message delivered twice or out of order is rejected and counted
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,50 +35,88 @@ import zmq
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 __all__ = ["ClientKeys", "SessionKeys", "Admission", "ControlFreshness", "ZAP_DOMAIN",
+           "AUTHENTICATED", "ENCRYPTED", "wire_security", "ray_uses_tls",
            "keep_alive", "connect_promptly"]
 
 ZAP_DOMAIN = "dpex"
+AUTHENTICATED = "authenticated"  # PLAIN + ZAP: a per-iterator password, frames in clear
+ENCRYPTED = "encrypted"  # CURVE + ZAP: per-iterator keys, every frame encrypted
+_USER = "dpex-worker"
 # An unauthenticated connection is dropped if its handshake has not finished by then.
 HANDSHAKE_IVL_MS = 10_000
 
 
+def ray_uses_tls() -> bool:
+    """Whether this process's Ray runs with TLS (Ray reads the same variable)."""
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
+
+
+def wire_security(encryption: bool | None) -> str:
+    """The mode of an iterator's sockets: ``encryption`` as given, or, for None, encrypted
+    exactly when Ray itself runs with TLS (an operator who encrypts Ray's traffic expects
+    the batches encrypted too)."""
+    if encryption is None:
+        encryption = ray_uses_tls()
+    return ENCRYPTED if encryption else AUTHENTICATED
+
+
 @dataclass(frozen=True)
 class ClientKeys:
-    """What a worker needs to connect: the trainer's public key and the workers' pair."""
+    """What a worker needs to connect: in ``encrypted`` mode the trainer's public key and
+    the workers' CURVE pair, in ``authenticated`` mode the iterator's password."""
 
-    server_public: bytes
-    public: bytes
-    secret: bytes = field(repr=False)
+    mode: str
+    server_public: bytes = b""
+    public: bytes = b""
+    secret: bytes = field(default=b"", repr=False)
+    password: bytes = field(default=b"", repr=False)
 
     def apply(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` (before ``connect``) a CURVE client of the trainer."""
-        sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        """Make ``sock`` (before ``connect``) a client of the trainer in this mode."""
+        if self.mode == ENCRYPTED:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        else:
+            sock.setsockopt(zmq.PLAIN_USERNAME, _USER.encode())
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self.password)
 
 
 @dataclass(frozen=True)
 class SessionKeys:
-    """One iterator's keys: the trainer's pair and the workers' ``client`` keys."""
+    """One iterator's credentials: in ``encrypted`` mode the trainer's CURVE pair, and
+    the workers' ``client`` keys in either mode."""
 
-    public: bytes
-    secret: bytes = field(repr=False)
+    mode: str
     client: ClientKeys = field(repr=False)
+    public: bytes = b""
+    secret: bytes = field(default=b"", repr=False)
 
     @classmethod
-    def new(cls) -> SessionKeys:
+    def new(cls, mode: str = AUTHENTICATED) -> SessionKeys:
+        if mode == AUTHENTICATED:
+            # Text: ZAP hands the handler the password decoded.
+            password = secrets.token_urlsafe(32).encode()
+            return cls(mode, ClientKeys(mode, password=password))
+        if mode != ENCRYPTED:
+            raise ValueError(f"unknown wire security mode {mode!r}")
         if not zmq.has("curve"):  # pyzmq's wheels have it; a custom libzmq may not
-            raise RuntimeError("dpex needs a libzmq built with CURVE security "
-                               "(zmq.has('curve') is False): install pyzmq's wheel")
+            raise RuntimeError("dpex needs a libzmq built with CURVE security for "
+                               "encryption=True (zmq.has('curve') is False): install "
+                               "pyzmq's wheel")
         public, secret = zmq.curve_keypair()
         worker_public, worker_secret = zmq.curve_keypair()
-        return cls(public, secret, ClientKeys(public, worker_public, worker_secret))
+        return cls(mode, ClientKeys(mode, public, worker_public, worker_secret), public, secret)
 
     def serve(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` (before ``bind``) a CURVE server that asks ZAP who may connect."""
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        """Make ``sock`` (before ``bind``) a server of this mode that asks ZAP who may
+        connect."""
+        if self.mode == ENCRYPTED:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        else:
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
         sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
 
@@ -99,29 +146,52 @@ def connect_promptly(sock: zmq.Socket) -> None:
 
 
 class _OnlyOurWorkers:
-    """ZAP credentials check: the iterator's worker key, nothing else."""
+    """ZAP credentials check: the iterator's worker key or password, nothing else
+    (compared in constant time)."""
 
-    def __init__(self, allowed: bytes) -> None:
-        self.allowed = allowed  # Z85-encoded, as zmq.curve_keypair() gives it
+    def __init__(self, client: ClientKeys) -> None:
+        self.client = client
         self.denied = 0
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = domain == ZAP_DOMAIN and hmac.compare_digest(key, self.allowed)
+    def curve(self, domain: str, key: bytes) -> bool:
+        # Z85-encoded, as zmq.curve_keypair() gives it
+        return self._count(domain == ZAP_DOMAIN and hmac.compare_digest(key, self.client.public))
+
+    def plain(self, domain: str, username: str, password: str) -> bool:
+        return self._count(domain == ZAP_DOMAIN and username == _USER and hmac.compare_digest(
+            password.encode(errors="replace"), self.client.password))
+
+    def _count(self, ok: bool) -> bool:
         self.denied += not ok
         return ok
+
+
+class _Authenticator(AsyncioAuthenticator):
+    """pyzmq's ZAP handler with dpex's PLAIN check (pyzmq's compares passwords with
+    ``==`` from a table; ours is one password, compared in constant time)."""
+
+    def __init__(self, context: zmq.Context, check: _OnlyOurWorkers) -> None:
+        super().__init__(context, log=_QUIET)
+        self._check = check
+
+    def _authenticate_plain(self, domain: str, username: str,
+                            password: str) -> tuple[bool, bytes]:
+        ok = self._check.plain(domain, username, password)
+        return ok, b"OK" if ok else b"Invalid credentials"
 
 
 class Admission:
     """The ZAP handler of one session's context (runs on that context's asyncio loop)."""
 
     def __init__(self, context: zmq.Context, keys: SessionKeys) -> None:
-        self._check = _OnlyOurWorkers(keys.client.public)
-        self._auth = AsyncioAuthenticator(context, log=_QUIET)
-        self._auth.configure_curve_callback(ZAP_DOMAIN, self._check)
+        self._check = _OnlyOurWorkers(keys.client)
+        self._auth = _Authenticator(context, self._check)
+        if keys.mode == ENCRYPTED:
+            self._auth.configure_curve_callback(ZAP_DOMAIN, _CurveCheck(self._check))
 
     @property
     def denied(self) -> int:
-        """CURVE handshakes refused because the client's key was not the workers'."""
+        """Handshakes refused because the client's key or password was not the workers'."""
         return self._check.denied
 
     def start(self) -> None:
@@ -129,6 +199,16 @@ class Admission:
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+class _CurveCheck:
+    """pyzmq's credentials-provider interface (``callback(domain, key)``)."""
+
+    def __init__(self, check: _OnlyOurWorkers) -> None:
+        self._check = check
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return self._check.curve(domain, key)
 
 
 class _Quiet:

@@ -43,7 +43,7 @@ class WorkerSpec:
     base_seed: int
     data_address: str
     control_address: str
-    keys: ClientKeys  # CURVE: the trainer's public key and the workers' key pair
+    keys: ClientKeys  # how it connects: the iterator's password, or its CURVE keys
     niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
     shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
     incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement

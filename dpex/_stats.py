@@ -39,6 +39,7 @@ class LoaderStats(TypedDict, total=False):
     dataset_reused: bool  # the same bytes as the loader's previous iterator: not shipped again
     received: int  # data messages accepted
     received_in_ring: int  # of which through the same-node shared-memory ring
+    security: str  # the sockets' mode: "authenticated" (frames in clear) or "encrypted"
     unroutable: int  # control messages held for a worker whose connection was lost
     rejected: dict[str, int]  # messages refused, by reason (mac, session, handshake, ...)
     dropped: dict[str, int]  # results not used, and recovery actions, by reason

@@ -12,7 +12,8 @@ the batch's buffers are (empty for the socket), then the batch's pickled structu
 Transports, one data kind each (the header's kind says which one carried a message):
 
 - :class:`SocketTransport` (``BATCH``): the buffers are the message's own frames
-  (ZeroMQ, zero-copy on both ends).
+  (ZeroMQ, zero-copy on both ends: the batch's tensors are views of the received
+  frames, which libzmq allocated for this message alone and frees with the tensors).
 - :class:`RingTransport` (``RING_BATCH``): the buffers are in the worker's
   shared-memory ring on the trainer's node (:mod:`dpex._shm`); small ones, or all of
   them when the ring is full, go inline.
@@ -32,6 +33,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 from torch._utils import ExceptionWrapper
 
 from dpex._codec import decode_batch, encode_batch
@@ -70,7 +72,12 @@ class Transport(Protocol):
 
 
 class SocketTransport:
-    """The buffers are the message's frames: nothing to describe, nothing to release."""
+    """The buffers are the message's frames: nothing to describe, nothing to release.
+
+    The frames are handed over to the batch (as arrays, which the codec does not copy):
+    a received frame is writable memory of its own, kept alive by the tensors that view
+    it, so the trainer spends no copy on a batch (the kernel's copy out of the socket is
+    the only one, as with raw ZeroMQ)."""
 
     kind = Kind.BATCH
 
@@ -79,10 +86,16 @@ class SocketTransport:
 
     def take(self, worker_id: int, body: memoryview,
              inline: list[memoryview]) -> tuple[memoryview, list[Any], bool]:
-        return body, inline, False
+        return body, [_handed_over(b) for b in inline], False
 
     def release(self, worker_id: int, body: memoryview) -> None:
         pass
+
+
+def _handed_over(frame: memoryview) -> Any:
+    """A received frame as an array the batch may own (no copy); a read-only one (bytes,
+    in tests) stays a view, which the codec copies."""
+    return frame if frame.readonly else np.frombuffer(frame, dtype=np.uint8)
 
 
 SOCKET = SocketTransport()

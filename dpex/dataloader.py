@@ -64,6 +64,10 @@ class DpexDataLoader(DataLoader[T_co]):
     - ``worker_seeding`` (default ``"torch"``): ``"per_batch"`` seeds every batch
       from which batch it is, so it is the same whichever worker, and however many,
       computed it (docs/AUTOSCALE.md).
+    - ``encryption`` (default ``None``: as Ray, on when ``RAY_USE_TLS`` is): encrypt
+      batches on the wire (ZeroMQ CURVE). Off, workers still need the iterator's
+      credentials to connect and every message is authenticated; the bytes travel in
+      clear, as NCCL's do (docs/FAULTS_AND_SECURITY.md).
 
     The batches, their order, seeds and ``get_worker_info()`` inside workers are
     those torch gives for the same arguments and generator.
@@ -100,6 +104,7 @@ class DpexDataLoader(DataLoader[T_co]):
         lost_batch_timeout: float | None = None,
         warm_worker_timeout: float = 60.0,
         worker_seeding: str = "torch",
+        encryption: bool | None = None,
     ) -> None:
         if isinstance(batch_size, bool):
             raise TypeError(

@@ -1,12 +1,18 @@
-"""Benchmark: dpex (distribute_mode=True) against torch's DataLoader, A/B in one run.
+"""Benchmark: dpex (distribute_mode=True) against torch's DataLoader and the wire, A/B in one run.
 
-Three loaders get the same dataset, num_workers and prefetch_factor: torch's,
-dpex (whose workers on this node use the shared-memory rings) and dpex-socket
-(rings off: the path of workers on other nodes). Runs alternate (torch, dpex,
-dpex-socket, then the reverse, ...) so machine noise hits all alike. Throughput
-is measured on the second epoch of persistent workers; the first warms up.
+The loaders get the same dataset, num_workers and prefetch_factor: torch's, dpex
+(whose workers on this node use the shared-memory rings), dpex-socket (rings off:
+the path of workers on other nodes, default security: authenticated, frames in
+clear) and dpex-socket-enc (the same with encryption=True, CURVE). Beside them the
+physical reference of the socket path: zmq-raw and zmq-raw-curve, ``num_workers``
+sender processes pushing the very bytes of a batch message (structure and buffers,
+made once) to one PULL socket in this process, with no dataset, no protocol and no
+credits. Runs alternate (forward, then the reverse order, ...) so machine noise hits
+all alike. Throughput is measured on the second epoch of persistent workers; the
+first warms up (the raw senders likewise send one untimed round first).
 Reported per scenario and loader: median and min–max of batches/s, GB/s, the
-dpex/torch ratio, the trainer process's CPU time per batch, time to the first
+ratio to torch and, for the socket paths, to the raw reference of the same
+security, the trainer process's CPU time per batch and per MiB, time to the first
 batch (cold: fresh workers; warm: persistent workers, next epoch; fresh: a new
 non-persistent iterator right after the run, on dpex's warm workers, see
 docs/WARM_WORKERS.md) and the trainer's peak RSS above its level before the
@@ -15,6 +21,7 @@ run. Ray's start is timed apart.
     python scripts/bench.py                          # all scenarios, 3 repeats
     python scripts/bench.py --scenarios small large --repeats 5
     python scripts/bench.py --quick                  # a smoke run (seconds)
+    python scripts/bench.py --loaders dpex-socket zmq-raw   # (torch always runs)
 
 Writes a markdown table to stdout, and JSON and a PNG plot to --out (default
 docs/bench/).
@@ -30,6 +37,7 @@ import platform
 import statistics
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -127,7 +135,104 @@ def make_loader(loader_name: str, dataset: Dataset, **kw) -> DataLoader:
         return DataLoader(dataset, multiprocessing_context="forkserver", **kw)
     if loader_name == "dpex-socket":  # the path remote workers take: no shared memory
         return DpexDataLoader(dataset, distribute_mode=True, shm_ring_bytes=0, **kw)
+    if loader_name == "dpex-socket-enc":  # the same, every frame encrypted (CURVE)
+        return DpexDataLoader(dataset, distribute_mode=True, shm_ring_bytes=0,
+                              encryption=True, **kw)
     return DpexDataLoader(dataset, distribute_mode=True, **kw)
+
+
+# The raw reference of each socket path (the same security), for the wire ratio.
+RAW_OF = {"dpex-socket": "zmq-raw", "dpex-socket-enc": "zmq-raw-curve"}
+
+
+def _raw_sender(address: str, server_public: bytes | None, frames: list[bytes], count: int,
+                hwm: int, ready: Any, go: Any) -> None:
+    """One sender process: once told to go, push ``count`` copies of one batch
+    message's frames."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 10_000)
+    if server_public is not None:
+        public, secret = zmq.curve_keypair()
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.connect(address)
+    ready.set()
+    if not go.wait(120):
+        return
+    for _ in range(count):
+        sock.send_multipart(frames, copy=False)
+    sock.close()
+    ctx.term()
+
+
+def raw_run(curve: bool, scenario: str, args, batches: int) -> dict:
+    """The wire alone: ``args.workers`` processes push the bytes of one batch message
+    ``batches`` times in all (after an untimed warm-up round) to a PULL socket here."""
+    import multiprocessing
+
+    import zmq
+    from torch.utils.data import default_collate
+
+    from dpex._codec import encode_batch
+
+    make, batch_size, _ = SCENARIOS[scenario]
+    dataset = make(batch_size)
+    parts = encode_batch(default_collate([dataset[i] for i in range(batch_size)]))
+    frames = [bytes(memoryview(p).cast("B")) for p in parts]
+    nbytes = sum(len(f) for f in frames[1:])  # the batch's tensor bytes, as for the loaders
+    warm = max(1, args.workers * 2)
+    per_sender = -(-(batches + warm) // args.workers)
+    total = per_sender * args.workers
+    hwm = args.prefetch_factor  # messages queued per connection, as dpex's credits allow
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, hwm)
+    pull.setsockopt(zmq.LINGER, 0)
+    server_public = None
+    if curve:
+        server_public, secret = zmq.curve_keypair()
+        pull.setsockopt(zmq.CURVE_SERVER, 1)
+        pull.setsockopt(zmq.CURVE_PUBLICKEY, server_public)
+        pull.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    address = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    spawn = multiprocessing.get_context("spawn")
+    go = spawn.Event()
+    ready = [spawn.Event() for _ in range(args.workers)]
+    senders = [spawn.Process(target=_raw_sender, args=(address, server_public, frames,
+                                                       per_sender, hwm, r, go), daemon=True)
+               for r in ready]
+    for p in senders:  # started untimed: a process start is no part of the wire
+        p.start()
+    for r in ready:
+        if not r.wait(120):
+            raise TimeoutError("a raw sender did not start")
+    with RssPeak() as rss:
+        t0 = time.perf_counter()
+        go.set()
+        for _ in range(warm):
+            pull.recv_multipart(copy=False)
+        first = time.perf_counter() - t0
+        cpu0, t1 = time.process_time(), time.perf_counter()
+        for _ in range(total - warm):
+            if not pull.poll(60_000):
+                raise TimeoutError("a raw sender stopped sending")
+            pull.recv_multipart(copy=False)
+        elapsed, cpu = time.perf_counter() - t1, time.process_time() - cpu0
+    for p in senders:
+        p.join(30)
+    pull.close()
+    ctx.term()
+    n = total - warm
+    return {"ttfb_fresh_ms": float("nan"), "batches_per_s": n / elapsed,
+            "gb_per_s": n * nbytes / elapsed / 1e9, "cpu_us_per_batch": cpu / n * 1e6,
+            "cpu_ms_per_mib": cpu * 1e3 / (n * nbytes / 2**20),
+            "ttfb_cold_ms": first * 1e3, "ttfb_warm_ms": float("nan"),
+            "peak_rss_mib": (rss.peak - rss.base) / 2**20, "data_wait_pct": float("nan")}
 
 
 def fresh_first_batch(loader_name: str, dataset: Dataset, kw: dict) -> float:
@@ -147,7 +252,12 @@ def fresh_first_batch(loader_name: str, dataset: Dataset, kw: dict) -> float:
     return took
 
 
+LOADERS = ("torch", "dpex", "dpex-socket", "dpex-socket-enc", "zmq-raw", "zmq-raw-curve")
+
+
 def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
+    if loader_name.startswith("zmq-raw"):
+        return raw_run(loader_name == "zmq-raw-curve", scenario, args, batches)
     make, batch_size, _ = SCENARIOS[scenario]
     dataset = make(batch_size * batches)
     kw = {"batch_size": batch_size, "num_workers": args.workers,
@@ -185,7 +295,9 @@ def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
     short = make(batch_size * 4)  # a short epoch: the start is what is timed
     ttfb_fresh = fresh_first_batch(loader_name, short, kw)
     return {"ttfb_fresh_ms": ttfb_fresh * 1e3, "batches_per_s": (n - 1) / elapsed, "gb_per_s": nbytes / elapsed / 1e9,
-            "cpu_us_per_batch": cpu / (n - 1) * 1e6, "ttfb_cold_ms": ttfb_cold * 1e3,
+            "cpu_us_per_batch": cpu / (n - 1) * 1e6,
+            "cpu_ms_per_mib": cpu * 1e3 / (nbytes / 2**20) if nbytes else float("nan"),
+            "ttfb_cold_ms": ttfb_cold * 1e3,
             "ttfb_warm_ms": ttfb_warm * 1e3, "peak_rss_mib": (rss.peak - rss.base) / 2**20,
             "data_wait_pct": 100 * waited / elapsed}
 
@@ -193,29 +305,37 @@ def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
 def summarize(runs: list[dict]) -> dict:
     out = {}
     for key in runs[0]:
-        vals = [r[key] for r in runs]
+        vals = [r.get(key, float("nan")) for r in runs]
         out[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
     return out
 
 
+def _num(value: float, fmt: str = ".0f") -> str:
+    return "–" if value != value else format(value, fmt)  # NaN: not measured for this one
+
+
 def table(results: dict) -> str:
-    rows = ["| scenario | loader | batches/s (min–max) | GB/s | dpex/torch | trainer CPU µs/batch "
-            "| first batch cold ms | first batch warm ms | first batch fresh ms "
-            "| peak RSS +MiB | waited in next() % |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| scenario | loader | batches/s (min–max) | GB/s | vs torch | vs raw ZeroMQ "
+            "| trainer CPU µs/batch | trainer CPU ms/MiB | first batch cold ms "
+            "| first batch warm ms | first batch fresh ms | peak RSS +MiB | waited in next() % |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for scenario, by_loader in results.items():
         t = by_loader["torch"]["batches_per_s"]["median"]
         for name in by_loader:
             s = by_loader[name]
             b = s["batches_per_s"]
             ratio = f"{b['median'] / t:.2f}×" if name != "torch" else ""
+            raw = by_loader.get(RAW_OF.get(name, ""))
+            wire = f"{b['median'] / raw['batches_per_s']['median']:.2f}" if raw else ""
             rows.append(
                 f"| {scenario} | {name} | {b['median']:.0f} ({b['min']:.0f}–{b['max']:.0f}) | "
-                f"{s['gb_per_s']['median']:.2f} | {ratio} | "
-                f"{s['cpu_us_per_batch']['median']:.0f} | {s['ttfb_cold_ms']['median']:.0f} | "
-                f"{s['ttfb_warm_ms']['median']:.0f} | {s['ttfb_fresh_ms']['median']:.0f} | "
+                f"{s['gb_per_s']['median']:.2f} | {ratio} | {wire} | "
+                f"{s['cpu_us_per_batch']['median']:.0f} | "
+                f"{_num(s['cpu_ms_per_mib']['median'], '.3f')} | "
+                f"{_num(s['ttfb_cold_ms']['median'])} | "
+                f"{_num(s['ttfb_warm_ms']['median'])} | {_num(s['ttfb_fresh_ms']['median'])} | "
                 f"{s['peak_rss_mib']['median']:.0f} | "
-                f"{s['data_wait_pct']['median']:.0f} |")
+                f"{_num(s['data_wait_pct']['median'])} |")
     return "\n".join(rows)
 
 
@@ -250,6 +370,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--prefetch-factor", type=int, default=2)
+    p.add_argument("--loaders", nargs="+", default=list(LOADERS), choices=list(LOADERS),
+                   help="which to run besides torch (the ratios' base)")
     p.add_argument("--quick", action="store_true", help="tiny runs, 1 repeat (a smoke test)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench"))
     args = p.parse_args()
@@ -263,7 +385,7 @@ def main() -> None:
     connect_ray("auto")  # as a user's first loader does
     ray_start = time.perf_counter() - t0
     print(f"Ray start: {ray_start:.2f} s (not in any timed region)", flush=True)
-    loaders = ("torch", "dpex", "dpex-socket")
+    loaders = ("torch", *(n for n in LOADERS if n in args.loaders and n != "torch"))
     runs: dict = {s: {name: [] for name in loaders} for s in args.scenarios}
     try:
         for rep in range(args.repeats):
@@ -273,10 +395,11 @@ def main() -> None:
                 for name in order:
                     r = one_run(name, scenario, args, batches)
                     runs[scenario][name].append(r)
-                    print(f"[{rep + 1}/{args.repeats}] {scenario:6s} {name:11s} "
+                    print(f"[{rep + 1}/{args.repeats}] {scenario:6s} {name:15s} "
                           f"{r['batches_per_s']:8.1f} batches/s  {r['gb_per_s']:6.2f} GB/s  "
-                          f"CPU {r['cpu_us_per_batch']:7.0f} µs/batch  first "
-                          f"{r['ttfb_cold_ms']:5.0f}/{r['ttfb_warm_ms']:4.0f} ms", flush=True)
+                          f"CPU {r['cpu_us_per_batch']:7.0f} µs/batch "
+                          f"{_num(r['cpu_ms_per_mib'], '.3f')} ms/MiB  first "
+                          f"{_num(r['ttfb_cold_ms'])}/{_num(r['ttfb_warm_ms'])} ms", flush=True)
     finally:
         ray.shutdown()
     results = {s: {n: summarize(r) for n, r in by.items()} for s, by in runs.items()}

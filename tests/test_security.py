@@ -27,7 +27,7 @@ class Evil:
 
 def attack(data_address, control_address, session_id, marker, keys=None):
     """Everything a peer who knew the session id could send, on both ports; ``keys``:
-    the workers' CURVE keys (a peer without them is refused in the handshake)."""
+    the workers' credentials (a peer without them is refused in the handshake)."""
     ctx = zmq.Context()
     forger = Wire(session_id, os.urandom(32))  # right session, wrong key
     push = ctx.socket(zmq.PUSH)
@@ -45,7 +45,7 @@ def attack(data_address, control_address, session_id, marker, keys=None):
         try:
             sock.send_multipart(frames)
         except zmq.Again:
-            # A stranger's connection is dropped in the CURVE handshake; once libzmq has
+            # A stranger's connection is dropped in the handshake; once libzmq has
             # dropped it, the socket has no peer and a send waits out SNDTIMEO.
             if keys is not None:
                 raise
@@ -70,15 +70,17 @@ def attack(data_address, control_address, session_id, marker, keys=None):
             raw.sendall(os.urandom(4096))
 
 
-@pytest.mark.parametrize("peer", ["stranger", "holder of the workers' CURVE key"])
-def test_attacks_during_an_epoch_change_nothing(tmp_path, peer):
+@pytest.mark.parametrize("encryption", [False, True], ids=["authenticated", "encrypted"])
+@pytest.mark.parametrize("peer", ["stranger", "holder of the workers' credentials"])
+def test_attacks_during_an_epoch_change_nothing(tmp_path, peer, encryption):
     marker = tmp_path / "pwned"
     kw = {"batch_size": 3, "shuffle": True, "num_workers": 2}
     torch.manual_seed(5)
     expected = list(dsets.torch_loader(dsets.Squares(60, max_sleep=0.01), **kw))
     torch.manual_seed(5)
     loader = DpexDataLoader(dsets.Squares(60, max_sleep=0.01), distribute_mode=True,
-                            max_message_bytes=1 << 20, timeout=30, **kw)
+                            max_message_bytes=1 << 20, timeout=30, encryption=encryption,
+                            **kw)
     it = iter(loader)
     got = [next(it)]
     insider = peer != "stranger"
@@ -89,9 +91,10 @@ def test_attacks_during_an_epoch_change_nothing(tmp_path, peer):
     time.sleep(0.2)
     assert not marker.exists()
     rejected = it.stats()["rejected"]
-    if not insider:  # its two sockets failed the CURVE handshake
+    assert it.stats()["security"] == ("encrypted" if encryption else "authenticated")
+    if not insider:  # its two sockets failed the handshake
         assert rejected.get("handshake", 0) >= 2, rejected
-    else:  # past CURVE, the MAC and the checks before it still stop everything
+    else:  # past the handshake, the MAC and the checks before it still stop everything
         assert rejected.get("mac", 0) >= 4, rejected  # all data forgeries, at least
         assert rejected.get("frame-count", 0) >= 1, rejected
     assert loader.stats()["rejected"] == rejected  # the loader reports its newest iterator

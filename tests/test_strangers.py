@@ -2,6 +2,7 @@
 session on its own loop thread, fake workers on loopback, raw ZMTP attackers."""
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
@@ -15,7 +16,7 @@ from attackers import rss_bytes, zmtp_flood
 
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Wire, worker_identity
-from dpex._security import ControlFreshness, SessionKeys
+from dpex._security import AUTHENTICATED, ENCRYPTED, ControlFreshness, SessionKeys
 from dpex._transport import encode_data
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
@@ -25,11 +26,11 @@ pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
 
 
-@pytest.fixture
-def live_session():
+@pytest.fixture(params=[AUTHENTICATED, ENCRYPTED])
+def live_session(request):
     handoff = queue.SimpleQueue()
     loop = LoopThread("dpex-test-loop")
-    sess = TrainerSession(Wire.new(64 * MiB), "127.0.0.1", handoff)
+    sess = TrainerSession(Wire.new(64 * MiB), "127.0.0.1", handoff, request.param)
     loop.start()
     loop.run(sess.open(), 5)
     yield sess, loop, handoff
@@ -49,6 +50,15 @@ def events(handoff, want, timeout=10.0):
     raise TimeoutError("the awaited event never came")
 
 
+def credentials_of_its_own(sess):
+    """A stranger's credentials in the session's mode: a password, or a CURVE pair of its
+    own (the trainer's public key is no secret: it knows it)."""
+    keys = SessionKeys.new(sess.keys.mode).client
+    if sess.keys.mode == ENCRYPTED:
+        keys = dataclasses.replace(keys, server_public=sess.keys.public)
+    return keys
+
+
 def genuine_worker(sess, ctx, worker_id=0):
     """A worker with this iterator's keys: DEALER and PUSH, HELLO sent."""
     ctrl, data = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
@@ -66,13 +76,15 @@ def test_an_endless_multipart_message_from_a_stranger_costs_the_trainer_no_memor
         live_session):
     """libzmq keeps an unfinished multipart message whole, and MAXMSGSIZE bounds only a
     frame: without authentication 200 MORE-frames of 1 MiB each (per port) stay in the
-    trainer. A stranger now fails the CURVE handshake before libzmq reads one frame."""
+    trainer. A stranger now fails the handshake before libzmq reads one frame, whether
+    it speaks NULL or the session's PLAIN with a guessed password."""
     sess, loop, handoff = live_session
     before = rss_bytes()
     sent: list[int] = []
-    floods = [threading.Thread(target=lambda a=address: sent.append(
-        zmtp_flood(a, frames=200, frame_bytes=MiB)))
-        for address in (sess.data_address, sess.control_address)]
+    floods = [threading.Thread(target=lambda a=address, p=password: sent.append(
+        zmtp_flood(a, frames=200, frame_bytes=MiB, password=p)))
+        for address in (sess.data_address, sess.control_address)
+        for password in (None, b"guess")]
     for t in floods:
         t.start()
     for t in floods:
@@ -89,7 +101,7 @@ def test_an_endless_multipart_message_from_a_stranger_costs_the_trainer_no_memor
         assert torch.equal(batch[0].payload, torch.arange(3))
     finally:
         ctx.destroy(0)
-    assert loop.run(sess.snapshot(), 5)["rejected"]["handshake"] >= 2
+    assert loop.run(sess.snapshot(), 5)["rejected"]["handshake"] >= 4
 
 
 def test_a_stranger_cannot_claim_a_workers_route(live_session):
@@ -99,14 +111,12 @@ def test_a_stranger_cannot_claim_a_workers_route(live_session):
     ctx = zmq.Context()
     try:
         strangers = []
-        for keys in (None, SessionKeys.new().client):  # no key; a key of its own
+        for keys in (None, credentials_of_its_own(sess)):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IDENTITY, worker_identity(0, 0))
-            if keys is not None:  # the trainer's public key is no secret: it knows it
-                s.setsockopt(zmq.CURVE_SERVERKEY, sess.keys.public)
-                s.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
-                s.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+            if keys is not None:
+                keys.apply(s)
             s.connect(sess.control_address)
             s.send_multipart(sess.wire.encode(Kind.HELLO, worker_id=0, payload={}))
             strangers.append(s)
@@ -269,5 +279,46 @@ def test_messages_for_a_worker_whose_connection_was_lost_wait_for_its_return(liv
         assert back.poll(5000), "the held task never came"
         task = sess.wire.decode(back.recv_multipart())
         assert task.kind is Kind.TASKS and task.payload == [(7, [7])]
+    finally:
+        ctx.destroy(0)
+
+
+def test_encryption_follows_ray_tls_unless_the_loader_says(monkeypatch):
+    from dpex import DpexConfig
+    from dpex._security import wire_security
+
+    monkeypatch.delenv("RAY_USE_TLS", raising=False)
+    assert wire_security(None) == AUTHENTICATED
+    for on in ("1", "true", "True"):
+        monkeypatch.setenv("RAY_USE_TLS", on)
+        assert wire_security(None) == ENCRYPTED  # Ray encrypts: so do the batches
+        assert wire_security(False) == AUTHENTICATED  # unless the user said otherwise
+    monkeypatch.setenv("RAY_USE_TLS", "0")
+    assert wire_security(None) == AUTHENTICATED and wire_security(True) == ENCRYPTED
+    with pytest.raises(TypeError, match="encryption must be True, False or None"):
+        DpexConfig(encryption="curve")
+
+
+def test_a_session_in_each_mode_admits_its_workers_only(live_session):
+    """A worker with the iterator's credentials gets a batch through; one with the
+    credentials of another iterator of the same mode is refused in the handshake."""
+    sess, loop, handoff = live_session
+    ctx = zmq.Context()
+    try:
+        intruder = ctx.socket(zmq.PUSH)
+        intruder.setsockopt(zmq.LINGER, 0)
+        credentials_of_its_own(sess).apply(intruder)
+        intruder.connect(sess.data_address)
+        intruder.send_multipart(encode_data(sess.wire, 1, 0, 0, torch.ones(2)), flags=zmq.NOBLOCK)
+        ctrl, data = genuine_worker(sess, ctx)
+        events(handoff, lambda e: isinstance(e, WorkerHello))
+        data.send_multipart(encode_data(sess.wire, 1, 1, 0, torch.arange(3)), copy=False)
+        batch = events(handoff, lambda e: isinstance(e, list))
+        assert [m.seq for m in batch] == [1] and torch.equal(batch[0].payload, torch.arange(3))
+        deadline = time.monotonic() + 5
+        while loop.run(sess.snapshot(), 5)["rejected"].get("handshake", 0) < 1:
+            assert time.monotonic() < deadline, "the intruder was not refused"
+            time.sleep(0.05)
+        assert loop.run(sess.snapshot(), 5)["security"] == sess.keys.mode
     finally:
         ctx.destroy(0)

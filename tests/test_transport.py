@@ -228,3 +228,42 @@ def test_the_contract_names_every_transport_the_trainer_receives():
     covered = {SOCKET.kind, RingTransport.kind, MemoryTransport.kind}
     assert covered == set(DATA_KINDS) - {Kind.ERROR, Kind.END}
     assert pickle.loads(pickle.dumps(Kind.MEMORY_BATCH)) is Kind.MEMORY_BATCH
+
+
+def test_a_batch_received_over_a_socket_is_the_frame_itself_not_a_copy():
+    """The trainer spends no copy on a socket batch: its tensors view the frames libzmq
+    received (memory of their own, writable, freed with the tensors); an unaligned
+    frame, which a view cannot serve, is copied."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        for s in (pull, push):
+            s.setsockopt(zmq.LINGER, 0)
+        push.connect(f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
+        batch = {"x": torch.arange(50_000, dtype=torch.float32), "y": np.arange(9_000.0)}
+        push.send_multipart(encode_data(WIRE, 1, 0, 0, batch), copy=False)
+        assert pull.poll(5000)
+        frames = pull.recv_multipart(copy=False)
+        x_frame = np.frombuffer(frames[3], dtype=np.uint8)
+        got = Receiver(WIRE).decode(frames).payload
+        assert got["x"].data_ptr() == x_frame.ctypes.data  # the frame, not a copy
+        assert np.shares_memory(got["y"], np.frombuffer(frames[4], dtype=np.uint8))
+        del frames, x_frame
+        gc.collect()
+        got["x"].add_(1)  # writable, and still valid once the frame objects are gone
+        assert torch.equal(got["x"], torch.arange(1, 50_001, dtype=torch.float32))
+        assert np.array_equal(got["y"], np.arange(9_000.0))
+    finally:
+        ctx.destroy(0)
+    odd = np.frombuffer(bytearray(9), dtype=np.uint8)[1:]  # 8 bytes at an odd address
+    t = pickle.loads(*_structure_and(torch.tensor([2.5, 3.5])), buffers=[odd])
+    assert t.dtype is torch.float32 and t.data_ptr() % 4 == 0  # copied into aligned memory
+
+
+def _structure_and(tensor: torch.Tensor) -> tuple:
+    from dpex._codec import encode_batch
+
+    structure, *_ = encode_batch(tensor)
+    return (bytes(structure),)

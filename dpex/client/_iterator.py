@@ -32,6 +32,7 @@ from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Wire
 from dpex._ray_connect import connect_ray
 from dpex._reaper import finalizer_for
+from dpex._security import wire_security
 from dpex._shm import RingRef
 from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._stats import LoaderStats
@@ -87,7 +88,8 @@ class _Runtime:
                  label: str, worker_class: type) -> None:
         host = node_address()  # may raise: before anything that needs closing exists
         self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))
-        self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff)
+        self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff,
+                                      wire_security(config.encryption))
         self.workers: WorkerGroup | FleetGroup = (
             FleetGroup(config.worker_pool, handoff) if config.worker_pool
             else WorkerGroup(worker_class, config.ray_remote_args, handoff, label,

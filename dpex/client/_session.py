@@ -2,9 +2,9 @@
 
 It owns the two sockets of one iterator: a bound PULL socket where workers push
 data messages, and a bound ROUTER socket that carries tasks and control
-messages to each worker's DEALER. Both are CURVE servers on a context of the
-session's own, whose ZAP handler admits only this iterator's workers (see
-``_security``). Received messages are validated, decoded and
+messages to each worker's DEALER. Both are PLAIN (``authenticated``) or CURVE
+(``encrypted``) servers on a context of the session's own, whose ZAP handler admits
+only this iterator's workers (see ``_security``). Received messages are validated, decoded and
 put on the thread-safe ``handoff`` queue that the training thread reads, as a
 list of the data messages that arrived together; nothing else crosses threads.
 """
@@ -15,6 +15,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import os
 import queue
 import time
 from typing import Any
@@ -24,7 +25,7 @@ import zmq.asyncio
 
 from dpex._addresses import port_range
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
-from dpex._security import Admission, SessionKeys, keep_alive
+from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
 from dpex._transport import SOCKET, Receiver, RingTransport
 from dpex.client._events import LoopFailure, RngReply, WorkerHello
@@ -37,10 +38,25 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
+def io_threads() -> int:
+    """libzmq I/O threads for one session's sockets (``$DPEX_IO_THREADS``, else one per 8
+    cores, 1 to 4). Each worker connection is served by one of them, so where the
+    trainer has cores to spare, receiving (and decrypting) spreads over several; on a
+    small node one keeps the cores for the training loop."""
+    given = os.environ.get("DPEX_IO_THREADS")
+    if given:
+        n = int(given)
+        if n < 1:
+            raise ValueError(f"DPEX_IO_THREADS must be >= 1, got {given!r}")
+        return n
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 8))
+
+
 class TrainerSession:
     """Sockets, hello handling and task forwarding of one iterator. Loop thread only."""
 
-    def __init__(self, wire: Wire, host: str, handoff: queue.SimpleQueue) -> None:
+    def __init__(self, wire: Wire, host: str, handoff: queue.SimpleQueue,
+                 security: str = AUTHENTICATED) -> None:
         self.wire = wire
         self.session_id = wire.session_id
         self.host = host
@@ -51,7 +67,7 @@ class TrainerSession:
         self.rings: dict[int, TrainerRing] = {}
         self.receiver = Receiver(wire, [SOCKET, RingTransport(rings=self.rings)])
         self.unroutable = 0
-        self.keys = SessionKeys.new()
+        self.keys = SessionKeys.new(security)
         self._ctx: zmq.asyncio.Context | None = None
         self._admission: Admission | None = None
         self._data: zmq.asyncio.Socket | None = None
@@ -68,7 +84,7 @@ class TrainerSession:
     async def open(self) -> None:
         """Bind both sockets on ``host`` (random ports) and start receiving."""
         # A context of its own: its ZAP handler answers for this session's sockets only.
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.asyncio.Context(io_threads=io_threads())
         self._admission = Admission(self._ctx, self.keys)
         self._admission.start()
         self._data = self._ctx.socket(zmq.PULL)
@@ -276,6 +292,7 @@ class TrainerSession:
     def counters(self) -> dict:
         """A copy of the counters, taken on the loop thread (where they change)."""
         return {"received": self.received, "received_in_ring": self.received_in_ring,
+                "security": self.keys.mode,
                 "unroutable": self.unroutable,
                 "rejected": dict(self.rejected)}
 
