@@ -22,9 +22,15 @@ def test_bench_quick_run_writes_table_json_and_plot(tmp_path):
         capture_output=True, text=True, timeout=220, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "bench.json").read_text())
-    for loader in ("torch", "dpex", "dpex-socket"):
+    for loader in ("torch", "dpex", "dpex-socket", "dpex-socket-enc", "zmq-raw",
+                   "zmq-raw-curve"):
         assert data["results"]["cpu"][loader]["batches_per_s"]["median"] > 0
+        assert data["results"]["cpu"][loader]["cpu_ms_per_mib"]["median"] > 0
     assert "| cpu | dpex |" in proc.stdout and (tmp_path / "bench.png").stat().st_size > 5000
+    # Each socket path is set against the raw ZeroMQ reference of its own security.
+    row = re.search(r"\| cpu \| dpex-socket-enc \|[^|]*\|[^|]*\|[^|]*\| ([\d.]+) \|",
+                    proc.stdout)
+    assert row and float(row.group(1)) > 0, proc.stdout
 
 
 @pytest.mark.slow

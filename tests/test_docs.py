@@ -26,3 +26,23 @@ def test_the_examples_of_a_page_run_on_the_embedded_local_ray(page):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=110, env=env, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_demo_compares_alternating_epochs_and_states_the_remote_cpu_it_measured():
+    """The README's demo command (scripts/demo.sh runs this script), on a short epoch:
+    identical batches, one row per loader, and the measured CPU figure for remote
+    workers rather than a promise."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "demo.py"),
+                           "--items", "256", "--epochs", "2"],
+                          capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "batches identical to torch's: yes" in out
+    for loader in ("torch", "dpex", "dpex-remote"):
+        assert re.search(rf"^\| {loader} \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
+    remote = re.search(r"this node would spend ([\d.]+) ms of CPU per batch .* instead of "
+                       r"torch's ([\d.]+) ms", out)
+    assert remote and float(remote.group(1)) > 0 and float(remote.group(2)) > 0, out

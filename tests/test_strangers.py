@@ -309,7 +309,11 @@ def test_a_session_in_each_mode_admits_its_workers_only(live_session):
         intruder.setsockopt(zmq.LINGER, 0)
         credentials_of_its_own(sess).apply(intruder)
         intruder.connect(sess.data_address)
-        intruder.send_multipart(encode_data(sess.wire, 1, 0, 0, torch.ones(2)), flags=zmq.NOBLOCK)
+        intruder.setsockopt(zmq.SNDTIMEO, 1000)
+        try:
+            intruder.send_multipart(encode_data(sess.wire, 1, 0, 0, torch.ones(2)))
+        except zmq.Again:  # refused before libzmq had a pipe to queue it in
+            pass
         ctrl, data = genuine_worker(sess, ctx)
         events(handoff, lambda e: isinstance(e, WorkerHello))
         data.send_multipart(encode_data(sess.wire, 1, 1, 0, torch.arange(3)), copy=False)
@@ -322,3 +326,30 @@ def test_a_session_in_each_mode_admits_its_workers_only(live_session):
         assert loop.run(sess.snapshot(), 5)["security"] == sess.keys.mode
     finally:
         ctx.destroy(0)
+
+
+def test_receiving_spreads_over_io_threads_where_the_trainer_has_cores_to_spare(
+        monkeypatch):
+    """Each worker connection is served by one libzmq I/O thread: a big trainer node
+    gets several (decryption spreads over cores), a small one keeps its cores."""
+    from dpex.client._session import io_threads
+
+    monkeypatch.delenv("DPEX_IO_THREADS", raising=False)
+    for cores, want in ((2, 1), (8, 1), (16, 2), (32, 4), (128, 4)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert io_threads() == want, cores
+    monkeypatch.setenv("DPEX_IO_THREADS", "3")
+    assert io_threads() == 3
+    monkeypatch.setenv("DPEX_IO_THREADS", "0")
+    with pytest.raises(ValueError, match="DPEX_IO_THREADS"):
+        io_threads()
+    monkeypatch.setenv("DPEX_IO_THREADS", "2")
+    handoff = queue.SimpleQueue()
+    loop = LoopThread("dpex-test-loop")
+    sess = TrainerSession(Wire.new(), "127.0.0.1", handoff)
+    loop.start()
+    try:
+        loop.run(sess.open(), 5)
+        assert sess._ctx.get(zmq.IO_THREADS) == 2
+    finally:
+        loop.stop(cleanup=sess.close)

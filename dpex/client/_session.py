@@ -7,6 +7,15 @@ messages to each worker's DEALER. Both are PLAIN (``authenticated``) or CURVE
 only this iterator's workers (see ``_security``). Received messages are validated, decoded and
 put on the thread-safe ``handoff`` queue that the training thread reads, as a
 list of the data messages that arrived together; nothing else crosses threads.
+
+The two sockets are plain (synchronous) ZeroMQ sockets read by callbacks on their
+file descriptors (``loop.add_reader``): each callback drains what has arrived with
+non-blocking calls. pyzmq's asyncio sockets cost the loop thread several hundred
+microseconds per batch here (a future, enum flags and rescheduling per call), more
+than the rest of the per-batch path together (docs/BENCHMARKS.md). ZeroMQ's
+descriptor signals that the socket's state may have changed, and any call on the
+socket may consume that signal: so a drain reads ``EVENTS`` until no message is
+left, and every send on the control socket is followed by a drain of it.
 """
 
 from __future__ import annotations
@@ -70,8 +79,10 @@ class TrainerSession:
         self.keys = SessionKeys.new(security)
         self._ctx: zmq.asyncio.Context | None = None
         self._admission: Admission | None = None
-        self._data: zmq.asyncio.Socket | None = None
-        self._ctrl: zmq.asyncio.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._data: zmq.Socket | None = None
+        self._ctrl: zmq.Socket | None = None
+        self._control_drain_due = False
         self._ready: set[int] = set()
         self._identities: dict[int, bytes] = {}
         self._pending: dict[int, list[list[bytes]]] = collections.defaultdict(list)
@@ -87,8 +98,11 @@ class TrainerSession:
         self._ctx = zmq.asyncio.Context(io_threads=io_threads())
         self._admission = Admission(self._ctx, self.keys)
         self._admission.start()
-        self._data = self._ctx.socket(zmq.PULL)
-        self._ctrl = self._ctx.socket(zmq.ROUTER)
+        self._loop = asyncio.get_running_loop()
+        # Plain sockets on the session's context (its ZAP handler admits their peers),
+        # read by the descriptor callbacks below.
+        self._data = zmq.Socket(self._ctx, zmq.PULL)
+        self._ctrl = zmq.Socket(self._ctx, zmq.ROUTER)
         for sock in (self._data, self._ctrl):
             sock.setsockopt(zmq.LINGER, 0)
             self.keys.serve(sock)
@@ -109,9 +123,9 @@ class TrainerSession:
         self.data_address = f"tcp://{self.host}:{port}"
         port = self._ctrl.bind_to_random_port(f"tcp://{self.host}", low, high + 1)
         self.control_address = f"tcp://{self.host}:{port}"
+        self._loop.add_reader(self._data.FD, self._on_data)
+        self._loop.add_reader(self._ctrl.FD, self._on_control)
         self._tasks = [
-            asyncio.ensure_future(self._guard(self._receive_data())),
-            asyncio.ensure_future(self._guard(self._receive_control())),
             asyncio.ensure_future(self._guard(self._ping())),
             *(asyncio.ensure_future(self._guard(self._count_refused(sock)))
               for sock in (self._data, self._ctrl)),
@@ -136,28 +150,27 @@ class TrainerSession:
         except BaseException as exc:
             self.handoff.put(LoopFailure(exc))
 
-    async def _receive_data(self) -> None:
-        assert self._data is not None
-        while True:
-            ready: list[Message] = []
-            try:
-                frames = await self._data.recv_multipart(copy=False)
-            except zmq.Again:
-                # libzmq said readable, then had nothing: a pipe ending (a peer gone, or
-                # refused in its handshake) wakes the socket without a message.
-                continue
-            self._accept(frames, ready)
-            # What else has arrived already goes in the same hand-off: one wake-up of
-            # the training thread per burst of batches, not one per batch.
-            for _ in range(_MAX_BURST - 1):
-                pending = self._data.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+    def _on_data(self) -> None:
+        """The data socket may have messages: take what has arrived (a burst at most,
+        the rest right after) and hand it to the training thread in one piece: one
+        wake-up of the training thread per burst of batches, not one per batch."""
+        try:
+            sock, ready, taken = self._data, [], 0
+            assert sock is not None and self._loop is not None
+            while sock.get(zmq.EVENTS) & zmq.POLLIN:
                 try:
-                    frames = pending.result()
-                except zmq.Again:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:  # a pipe ending woke the socket, not a message
                     break
                 self._accept(frames, ready)
+                taken += 1
+                if taken == _MAX_BURST:
+                    self._loop.call_soon(self._on_data)
+                    break
             if ready:
                 self.handoff.put(ready)
+        except Exception as exc:
+            self.handoff.put(LoopFailure(exc))
 
     def _accept(self, frames: list[Any], ready: list[Message]) -> None:
         try:
@@ -178,29 +191,38 @@ class TrainerSession:
             for worker_id in list(self._ready):
                 self.send(worker_id, Kind.PING, 0)
 
-    async def _receive_control(self) -> None:
-        assert self._ctrl is not None
-        while True:
-            try:
-                identity, *frames = await self._ctrl.recv_multipart()
-            except zmq.Again:  # woken by a pipe ending, not a message (as above)
-                continue
-            try:
-                msg = self.wire.decode(frames)
-            except ProtocolError as exc:
-                self.rejected[exc.reason] += 1
-                continue
-            if msg.kind not in (Kind.HELLO, Kind.RNG_STATE) or (
-                    identity != self._identity(msg.worker_id)):
-                self.rejected["kind"] += 1
-                continue
-            if msg.kind is Kind.RNG_STATE:
-                self.handoff.put(RngReply(msg.worker_id, msg.epoch, msg.seq, msg.payload))
-                continue
-            self._ready.add(msg.worker_id)
-            for frames_out in self._pending.pop(msg.worker_id, []):
-                self._send(msg.worker_id, frames_out)
-            self.handoff.put(WorkerHello(msg.worker_id, msg.payload))
+    def _on_control(self) -> None:
+        """The control socket may have messages (HELLO, RNG_STATE): take them all."""
+        self._control_drain_due = False
+        try:
+            sock = self._ctrl
+            assert sock is not None
+            while sock.get(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:  # woken by a pipe ending, not a message (as above)
+                    break
+                self._on_control_message(identity, frames)
+        except Exception as exc:
+            self.handoff.put(LoopFailure(exc))
+
+    def _on_control_message(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            msg = self.wire.decode(frames)
+        except ProtocolError as exc:
+            self.rejected[exc.reason] += 1
+            return
+        if msg.kind not in (Kind.HELLO, Kind.RNG_STATE) or (
+                identity != self._identity(msg.worker_id)):
+            self.rejected["kind"] += 1
+            return
+        if msg.kind is Kind.RNG_STATE:
+            self.handoff.put(RngReply(msg.worker_id, msg.epoch, msg.seq, msg.payload))
+            return
+        self._ready.add(msg.worker_id)
+        for frames_out in self._pending.pop(msg.worker_id, []):
+            self._send(msg.worker_id, frames_out)
+        self.handoff.put(WorkerHello(msg.worker_id, msg.payload))
 
     def new_ring(self, capacity: int, node_id: str, worker_id: int) -> RingRef:
         """A shared-memory ring for one worker incarnation (any thread; the loop thread
@@ -233,21 +255,23 @@ class TrainerSession:
         self._pending.pop(worker_id, None)
 
     def _send(self, worker_id: int, frames: list[bytes]) -> None:
-        # Through the asyncio socket, never a shadow of it: a send on a shadow consumes
-        # the socket's readiness edge unseen and a waiting receive (a HELLO) stalls.
-        assert self._ctrl is not None
-        done = self._ctrl.send_multipart([self._identity(worker_id), *frames],
-                                         flags=zmq.NOBLOCK)
-        exc = done.exception() if done.done() else None
-        if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH:
+        assert self._ctrl is not None and self._loop is not None
+        if not self._control_drain_due:
+            # A send may consume the socket's readiness signal while a HELLO waits:
+            # look for one right after (once per run of sends).
+            self._control_drain_due = True
+            self._loop.call_soon(self._on_control)
+        try:
+            self._ctrl.send_multipart([self._identity(worker_id), *frames], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
             # No connection to the worker now: it died (Ray reports that, and the
             # iterator replaces it) or its connection was lost and it reconnects. Hold
             # this and later messages until it announces itself again (a new HELLO).
             self.unroutable += 1
             self._ready.discard(worker_id)
             self._pending[worker_id].append(frames)
-        elif exc is not None:
-            raise exc
 
     def send(self, worker_id: int, kind: Kind, epoch: int, payload: Any = None) -> None:
         """Send a control message to one worker, queued until its HELLO arrives."""
@@ -300,6 +324,13 @@ class TrainerSession:
         return self.counters()
 
     async def close(self) -> None:
+        for sock in (self._data, self._ctrl):
+            if sock is not None and not sock.closed:
+                if self._loop is not None:
+                    self._loop.remove_reader(sock.FD)
+                # Made with zmq.Socket(ctx, ...): the context's destroy() does not know
+                # them, and its term() would wait for them.
+                sock.close(linger=0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
