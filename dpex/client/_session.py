@@ -154,9 +154,10 @@ class TrainerSession:
         """The data socket may have messages: take what has arrived (a burst at most,
         the rest right after) and hand it to the training thread in one piece: one
         wake-up of the training thread per burst of batches, not one per batch."""
+        sock, ready, taken = self._data, [], 0
+        if sock is None or sock.closed or self._loop is None:
+            return  # a call scheduled before close()
         try:
-            sock, ready, taken = self._data, [], 0
-            assert sock is not None and self._loop is not None
             while sock.get(zmq.EVENTS) & zmq.POLLIN:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -194,9 +195,10 @@ class TrainerSession:
     def _on_control(self) -> None:
         """The control socket may have messages (HELLO, RNG_STATE): take them all."""
         self._control_drain_due = False
+        sock = self._ctrl
+        if sock is None or sock.closed:
+            return  # a call scheduled before close()
         try:
-            sock = self._ctrl
-            assert sock is not None
             while sock.get(zmq.EVENTS) & zmq.POLLIN:
                 try:
                     identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
