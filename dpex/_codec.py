@@ -41,9 +41,10 @@ def _aligned(buf: np.ndarray, itemsize: int) -> bool:
 
 
 def _rebuild_tensor(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool) -> torch.Tensor:
-    if isinstance(buf, np.ndarray) and _aligned(buf, dtype.itemsize):
+    handed = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else None
+    if handed is not None and handed.data_ptr() % dtype.itemsize == 0:
         # memory the caller hands over (a ring span, a received frame): no copy
-        out = torch.from_numpy(buf).view(dtype).reshape(shape)
+        out = handed.view(dtype).reshape(shape)
     else:
         out = torch.empty(shape, dtype=dtype)
         src = np.frombuffer(buf, dtype=np.uint8)
