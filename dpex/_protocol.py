@@ -4,10 +4,14 @@ Every message is a ZeroMQ multipart message::
 
     [header, mac, body, *buffers]
 
-``header`` is a fixed 40-byte struct (little endian)::
+``header`` is a fixed 48-byte struct (little endian)::
 
     version:u8  kind:u8  session_id:16s  epoch:u32  seq:i64  worker_id:u16
-    incarnation:u32  n_buffers:u32
+    incarnation:u32  n_buffers:u32  ready_ns:i64
+
+``ready_ns`` is the sender's wall clock (``time.time_ns()``) when a batch was
+ready (fetched and collated, before it was encoded); 0 in every other message.
+The trainer reads the batch's latency from it (``stats()["batch_latency"]``).
 
 ``incarnation`` is the sender's (0 for a worker id's first process, +1 per
 replacement; 0 from the trainer): a batch a replaced worker sent late is
@@ -77,8 +81,8 @@ __all__ = [
     "worker_identity",
 ]
 
-PROTOCOL_VERSION = 5
-_HEADER = struct.Struct("<BB16sIqHII")
+PROTOCOL_VERSION = 6
+_HEADER = struct.Struct("<BB16sIqHIIq")
 HEADER_SIZE = _HEADER.size
 MAC_SIZE = 16
 KEY_SIZE = 32
@@ -117,6 +121,7 @@ class Message:
     in_ring: bool = False  # a batch whose buffers (some or all) came through shared memory
     incarnation: int = 0  # the sender's
     received_at: float | None = None  # time.monotonic() when the trainer's loop got it
+    ready_ns: int = 0  # the worker's time.time_ns() when the batch was ready (0: not a batch)
 
 
 @dataclass(frozen=True)
@@ -132,13 +137,15 @@ class Envelope:
     incarnation: int
     body: memoryview
     buffers: list[memoryview]
+    ready_ns: int = 0
 
     def unpickle(self) -> Any:
         return pickle.loads(self.body)
 
     def message(self, payload: Any, kind: Kind | None = None, in_ring: bool = False) -> Message:
         return Message(kind or self.kind, self.session_id, self.epoch, self.seq,
-                       self.worker_id, payload, in_ring, self.incarnation)
+                       self.worker_id, payload, in_ring, self.incarnation,
+                       ready_ns=self.ready_ns)
 
 
 def worker_identity(worker_id: int, incarnation: int) -> bytes:
@@ -177,10 +184,10 @@ class Wire:
         return mac.digest()
 
     def frames(self, kind: Kind, epoch: int, seq: int, worker_id: int, body: Any,
-               buffers: Sequence[Any] = ()) -> list[Any]:
+               buffers: Sequence[Any] = (), ready_ns: int = 0) -> list[Any]:
         """``[header, mac, body, *buffers]`` for one message (nothing pickled here)."""
         header = _HEADER.pack(PROTOCOL_VERSION, kind, self.session_id, epoch, seq, worker_id,
-                              self.incarnation, len(buffers))
+                              self.incarnation, len(buffers), ready_ns)
         return [header, self._mac(header, body, buffers), body, *buffers]
 
     def encode(self, kind: Kind, epoch: int = 0, seq: int = -1, worker_id: int = 0,
@@ -196,7 +203,7 @@ class Wire:
         head = memoryview(frames[0])
         if head.nbytes != HEADER_SIZE:
             raise ProtocolError("header", f"{head.nbytes} bytes, {HEADER_SIZE} expected")
-        version, kind, sid, epoch, seq, worker_id, incarnation, n = _HEADER.unpack(head)
+        version, kind, sid, epoch, seq, worker_id, incarnation, n, ready_ns = _HEADER.unpack(head)
         if version != PROTOCOL_VERSION:
             raise ProtocolError("version",
                                 f"protocol {version}, this side speaks {PROTOCOL_VERSION}")
@@ -214,7 +221,7 @@ class Wire:
             raise ProtocolError("too-large", f"{size:,} bytes")
         if not hmac.compare_digest(memoryview(frames[1]).tobytes(), self._mac(head, body, buffers)):
             raise ProtocolError("mac", "authentication failed")
-        return Envelope(kind, sid, epoch, seq, worker_id, incarnation, body, buffers)
+        return Envelope(kind, sid, epoch, seq, worker_id, incarnation, body, buffers, ready_ns)
 
     def decode(self, frames: Sequence[Any]) -> Message:
         """Check and unpickle one control-plane message (the data plane is

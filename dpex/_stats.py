@@ -9,9 +9,36 @@ would make training faster.
 
 from __future__ import annotations
 
+import collections
+import math
 from typing import Any, TypedDict
 
-__all__ = ["LoaderStats", "WorkerStats", "stats_prometheus"]
+__all__ = ["LoaderStats", "WorkerStats", "Latencies", "stats_prometheus"]
+
+
+class Latencies:
+    """The latest ``keep`` batch latencies (from a worker's batch being ready to the
+    training loop holding it), summarised as percentiles. Pure: the caller gives the
+    two clock readings."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._recent: collections.deque[int] = collections.deque(maxlen=keep)
+
+    def add(self, ready_ns: int, taken_ns: int) -> None:
+        if ready_ns > 0:  # 0: the message carried no time (not a batch)
+            self._recent.append(taken_ns - ready_ns)
+
+    def summary(self) -> dict[str, float] | None:
+        """``{"n", "p50_ms", "p99_ms", "max_ms"}`` over the kept batches; None if none."""
+        if not self._recent:
+            return None
+        ordered = sorted(self._recent)
+        n = len(ordered)
+
+        def at(q: float) -> float:  # nearest rank
+            return ordered[max(0, math.ceil(q * n) - 1)] / 1e6
+
+        return {"n": n, "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": ordered[-1] / 1e6}
 
 
 class WorkerStats(TypedDict, total=False):
@@ -35,6 +62,7 @@ class LoaderStats(TypedDict, total=False):
     workers: dict[int, WorkerStats]
     credits_in_flight: int  # batches dispatched and not yet taken (<= the window)
     worker_batch_s: float | None  # the workers' mean time per batch, recent batches
+    batch_latency: dict[str, float] | None  # batch ready in a worker -> loop holds it (recent)
     dataset_bytes: int  # the pickled dataset, collate_fn and worker_init_fn shipped
     dataset_reused: bool  # the same bytes as the loader's previous iterator: not shipped again
     received: int  # data messages accepted
@@ -93,6 +121,12 @@ def stats_prometheus(source: Any) -> str:
              "Each worker's batches per second since it was first ready.")):
         metric(name, kind, text, [(f'{{worker="{w}",node="{_label(info.get("node_ip"))}"}}',
                                    info[key]) for w, info in workers if key in info])
+    latency = stats.get("batch_latency") or {}
+    metric("dpex_batch_latency_seconds", "gauge",
+           "From a batch being ready in a worker to the training loop holding it, "
+           "recent batches.",
+           [(f'{{quantile="{q}"}}', latency[key] / 1e3)
+            for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")) if key in latency])
     metric("dpex_recoveries_total", "counter", "Worker restarts.",
            [("", len(stats["recoveries"]))] if "recoveries" in stats else [])
     return "\n".join(lines) + "\n"

@@ -191,8 +191,9 @@ class MemoryTransport:
 
 
 def encode_data(wire: Wire, epoch: int, seq: int, worker_id: int, batch: Any,
-                transport: Transport = SOCKET) -> list[Any]:
-    """The frames of one batch message, its buffers placed by ``transport``.
+                transport: Transport = SOCKET, ready_ns: int = 0) -> list[Any]:
+    """The frames of one batch message, its buffers placed by ``transport``;
+    ``ready_ns``: when the batch was ready (``time.time_ns()``; the header carries it).
 
     Raises :class:`~dpex.errors.ProtocolError` (reason ``too-large``) when the batch
     is over ``max_message_bytes``: the receiver would drop it.
@@ -205,7 +206,7 @@ def encode_data(wire: Wire, epoch: int, seq: int, worker_id: int, batch: Any,
     descriptor, inline = transport.place(buffers)
     if descriptor:
         body = descriptor + bytes(body)
-    return wire.frames(transport.kind, epoch, seq, worker_id, body, inline)
+    return wire.frames(transport.kind, epoch, seq, worker_id, body, inline, ready_ns)
 
 
 class Receiver:

@@ -145,6 +145,37 @@ def make_loader(loader_name: str, dataset: Dataset, **kw) -> DataLoader:
 RAW_OF = {"dpex-socket": "zmq-raw", "dpex-socket-enc": "zmq-raw-curve"}
 
 
+def raw_push(ctx: Any, hwm: int, server_public: bytes | None) -> Any:
+    """A raw reference's PUSH socket: in clear, or a CURVE client of ``server_public``."""
+    import zmq
+
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 30_000)
+    if server_public is not None:
+        public, secret = zmq.curve_keypair()
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    return sock
+
+
+def raw_pull(ctx: Any, hwm: int, curve: bool) -> tuple[Any, bytes | None]:
+    """A raw reference's PULL socket (a CURVE server with ``curve``) and its public key."""
+    import zmq
+
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, hwm)
+    pull.setsockopt(zmq.LINGER, 0)
+    if not curve:
+        return pull, None
+    public, secret = zmq.curve_keypair()
+    pull.setsockopt(zmq.CURVE_SERVER, 1)
+    pull.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    pull.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    return pull, public
+
+
 def _raw_sender(address: str, server_public: bytes | None, frames: list[bytes], count: int,
                 hwm: int, ready: Any, go: Any) -> None:
     """One sender process: once told to go, push ``count`` copies of one batch
@@ -152,14 +183,7 @@ def _raw_sender(address: str, server_public: bytes | None, frames: list[bytes], 
     import zmq
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.LINGER, 10_000)
-    if server_public is not None:
-        public, secret = zmq.curve_keypair()
-        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock = raw_push(ctx, hwm, server_public)
     sock.connect(address)
     ready.set()
     if not go.wait(120):
@@ -190,15 +214,7 @@ def raw_run(curve: bool, scenario: str, args, batches: int) -> dict:
     total = per_sender * args.workers
     hwm = args.prefetch_factor  # messages queued per connection, as dpex's credits allow
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, hwm)
-    pull.setsockopt(zmq.LINGER, 0)
-    server_public = None
-    if curve:
-        server_public, secret = zmq.curve_keypair()
-        pull.setsockopt(zmq.CURVE_SERVER, 1)
-        pull.setsockopt(zmq.CURVE_PUBLICKEY, server_public)
-        pull.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    pull, server_public = raw_pull(ctx, hwm, curve)
     address = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
     spawn = multiprocessing.get_context("spawn")
     go = spawn.Event()
@@ -405,16 +421,22 @@ def main() -> None:
     results = {s: {n: summarize(r) for n, r in by.items()} for s, by in runs.items()}
     md = table(results)
     print("\n" + md)
-    os.makedirs(args.out, exist_ok=True)
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "workers": args.workers, "prefetch_factor": args.prefetch_factor,
             "repeats": args.repeats, "ray_start_s": ray_start}
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"meta": meta, "results": results, "runs": runs}, f, indent=1)
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
+    write_outputs(args.out, "bench", {"meta": meta, "results": results, "runs": runs}, md,
+                  lambda path: plot(results, path))
+
+
+def write_outputs(out: str, name: str, data: dict, md: str, plot_to: Any) -> None:
+    """``<out>/<name>.json`` (``data``), ``.md`` (the table) and ``.png`` (``plot_to(path)``)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(md + "\n")
-    plot(results, os.path.join(args.out, "bench.png"))
-    print(f"wrote {args.out}/bench.json, bench.md, bench.png")
+    plot_to(os.path.join(out, f"{name}.png"))
+    print(f"wrote {out}/{name}.json, {name}.md, {name}.png")
 
 
 if __name__ == "__main__":

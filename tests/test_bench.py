@@ -86,3 +86,24 @@ def test_first_batch_bench_runs_the_alternation_for_both_loaders(tmp_path):
         assert len(data["runs"][loader][0]["first_ms"]) == 4  # 2 epochs x (train, val)
         assert f"| {loader} |" in proc.stdout
     assert (tmp_path / "first_batch.png").stat().st_size > 5000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_latency_reports_each_path_beside_raw_zeromq(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_latency.py"), "--scenarios",
+         "small", "--batches", "20", "--interval-ms", "20", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=220, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "latency.json").read_text())["results"]["small"]
+    assert set(results) == {"dpex", "dpex-socket", "dpex-socket-enc", "zmq-raw", "zmq-raw-curve"}
+    for name, r in results.items():
+        assert r["n"] == 20 and 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] < 1000, (name, r)
+    # each socket path's added part is against the raw reference of its own security
+    row = re.search(r"\| small \| dpex-socket-enc \| ([\d.]+) \|[^|]*\|[^|]*\| (-?[\d.]+) \|",
+                    proc.stdout)
+    assert row and float(row[2]) == pytest.approx(
+        float(row[1]) - results["zmq-raw-curve"]["p50_ms"], abs=0.011), proc.stdout
+    assert (tmp_path / "latency.png").stat().st_size > 5000

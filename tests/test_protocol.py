@@ -43,9 +43,19 @@ def test_every_message_carries_its_senders_incarnation_under_the_mac():
     end = decode(sender.encode(Kind.END, 1, 1, 2))
     assert batch.incarnation == end.incarnation == 3 and decode(encode_message(Kind.END)).incarnation == 0
     forged = frames_bytes(sender.encode(Kind.END, 1, 1, 2))
-    forged[0] = forged[0][:-8] + (0).to_bytes(4, "little") + forged[0][-4:]  # claim 0
+    forged[0] = forged[0][:32] + (0).to_bytes(4, "little") + forged[0][36:]  # claim 0
     with pytest.raises(ProtocolError) as err:
         decode(forged)
+    assert err.value.reason == "mac"
+
+
+def test_a_batch_carries_when_it_was_ready_under_the_mac():
+    frames = frames_bytes(_transport.encode_data(WIRE, 1, 0, 2, torch.zeros(2), ready_ns=123456789))
+    assert decode(frames).ready_ns == 123456789
+    assert decode(encode_message(Kind.END)).ready_ns == 0
+    frames[0] = frames[0][:-8] + (1).to_bytes(8, "little")  # claim another time
+    with pytest.raises(ProtocolError) as err:
+        decode(frames)
     assert err.value.reason == "mac"
 
 

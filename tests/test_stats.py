@@ -6,6 +6,7 @@ import dsets
 import pytest
 
 from dpex import DpexDataLoader, stats_prometheus
+from dpex._stats import Latencies
 
 
 def test_prometheus_text_has_help_type_and_escaped_labels():
@@ -16,6 +17,7 @@ def test_prometheus_text_has_help_type_and_escaped_labels():
         "recoveries": [{"worker": 0}]})
     lines = text.splitlines()
     assert "# TYPE dpex_data_wait_share gauge" in lines
+    assert not any(line.startswith("dpex_batch_latency") for line in lines)  # none: no series
     assert "dpex_data_wait_share 0.25" in lines and "dpex_batches_in_flight 4" in lines
     assert 'dpex_dropped_total{reason="duplicate"} 3' in lines
     assert 'dpex_worker_batches_total{worker="0",node="a\\"b"} 7' in lines
@@ -25,6 +27,18 @@ def test_prometheus_text_has_help_type_and_escaped_labels():
         if not line.startswith("#"):
             name = line.split("{")[0].split(" ")[0]
             assert f"# TYPE {name} gauge" in lines or f"# TYPE {name} counter" in lines
+
+
+def test_latency_percentiles_by_nearest_rank_over_the_latest_batches():
+    lat = Latencies(keep=100)
+    assert lat.summary() is None
+    lat.add(0, 5_000_000)  # no time in the message: not counted
+    assert lat.summary() is None
+    for ms in range(1, 201):  # 1..200 ms; the latest 100 are 101..200
+        lat.add(1_000_000_000, 1_000_000_000 + ms * 1_000_000)
+    assert lat.summary() == {"n": 100, "p50_ms": 150.0, "p99_ms": 199.0, "max_ms": 200.0}
+    text = stats_prometheus({"batch_latency": lat.summary()})
+    assert 'dpex_batch_latency_seconds{quantile="0.99"} 0.199' in text.splitlines()
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -45,3 +59,8 @@ def test_the_stall_share_says_which_side_is_slow(slow):
     assert sum(w["batches"] for w in stats["workers"].values()) == 24  # 2 epochs × 12
     assert all(w["batches_per_s"] > 0 for w in stats["workers"].values())
     assert "dpex_data_wait_share" in stats_prometheus(loader)
+    # The last epoch's 12 batches. A batch waits in the window for a slow loop (several
+    # steps of 50 ms); for a slow dataset it is taken as soon as it arrives.
+    latency = stats["batch_latency"]
+    assert latency["n"] == 12 and 0 < latency["p50_ms"] <= latency["p99_ms"] <= latency["max_ms"]
+    assert latency["p50_ms"] < 40 if slow == "dataset" else latency["p50_ms"] > 50, latency

@@ -35,7 +35,7 @@ from dpex._reaper import finalizer_for
 from dpex._security import wire_security
 from dpex._shm import RingRef
 from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
-from dpex._stats import LoaderStats
+from dpex._stats import Latencies, LoaderStats
 from dpex._version import local_versions
 from dpex.client._autoscaler import Autoscaler
 from dpex.client._elastic import ElasticWorkers, mean
@@ -247,6 +247,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
                 raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
             self._worker_shared_seed = self._shared_seed
         self._epoch_t0, self._epoch_end, self._wait_s = time.monotonic(), None, 0.0
+        self._latencies = Latencies()  # this epoch's, as the wait
         if self._autoscaler is not None:  # (the time between epochs is not the loop's)
             self._autoscaler.begin(self._epoch_t0, self._waited_total, self._taken_total)
         # The RESUME payload is the IterDataPipe seed of the new epoch (None otherwise).
@@ -345,6 +346,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
             self._taken_total += 1
             if self._pin_memory:
                 data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
+            self._latencies.add(msg.ready_ns, time.time_ns())
             return data
 
     def _receive_one(self, until: float | None = None) -> None:
@@ -619,6 +621,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
             "workers": workers,
             "credits_in_flight": self._sched.in_flight,
             "worker_batch_s": mean(self._sched.batch_times),
+            "batch_latency": self._latencies.summary(),
             "dataset_bytes": self._shipped_bytes,
             "dataset_reused": self._shipped_reused,
             **session,

@@ -16,6 +16,7 @@ import random
 import struct
 import sys
 import threading
+import time
 from typing import Any
 
 import cloudpickle
@@ -309,6 +310,7 @@ class TaskRunner:
                     "torch it has no fetcher until the next epoch")
             with collating_into(self.ring):
                 batch = self.fetcher.fetch(indices)
+            ready_ns = time.time_ns()
         except StopIteration:
             if self.loader.dataset_kind == _DatasetKind.Iterable:
                 self.exhausted = True
@@ -318,7 +320,7 @@ class TaskRunner:
             return self._error(epoch, seq, indices)
         try:
             try:
-                return encode_data(wire, epoch, seq, wid, batch, self.transport)
+                return encode_data(wire, epoch, seq, wid, batch, self.transport, ready_ns)
             except ProtocolError as exc:  # too large: the trainer would drop it unseen
                 raise BatchTooLargeError(f"{exc}; raise DpexDataLoader(max_message_bytes=...) "
                                          "or use smaller batches") from None
