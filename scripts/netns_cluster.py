@@ -1,18 +1,24 @@
-"""A two-host Ray cluster on one machine: two network namespaces joined by a veth pair.
+"""A Ray cluster of several hosts on one machine: network namespaces on a bridge.
 
     sudo python scripts/netns_cluster.py        # builds it, prints how to use it, waits
+    sudo python scripts/netns_cluster.py --nodes 3
 
-"head" (198.51.100.1) runs the Ray head (and the trainer); "node" (198.51.100.2)
-runs a Ray worker node whose CPUs carry the custom resource ``prep``, so a fleet
-started with ``--resources '{"prep": 1}'`` lands there and every batch crosses
-the veth. Both namespaces get a default route over the veth, so Ray and dpex
-pick the veth addresses. Everything (processes, namespaces) is removed on exit,
-also when the caller fails. Needs root and ``ip`` (iproute2).
+"head" (198.51.100.1, on a bridge in its namespace) runs the Ray head (and the
+trainer); each "node" i (198.51.100.2, .3, ...) runs a Ray worker node in its own
+namespace, joined to the bridge by a veth pair. A node's CPUs carry the custom
+resource ``prep``, so a fleet started with ``--resources '{"prep": 1}'`` lands
+there and every batch crosses a veth; node i also holds one unit of ``hosts<k>``
+for each k > i, so asking for ``hosts<k>`` places a worker on one of the first k
+nodes (scripts/bench_hosts.py). Every namespace has a default route over its
+link, so Ray and dpex pick those addresses. Everything (processes, namespaces,
+links) is removed on exit, also when the caller fails. Needs root and ``ip``
+(iproute2).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -25,6 +31,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 HEAD_IP, NODE_IP = "198.51.100.1", "198.51.100.2"  # a documentation range (RFC 5737)
+
+
+def node_ip(i: int) -> str:
+    """The address of worker node ``i`` (0: ``NODE_IP``)."""
+    return f"198.51.100.{2 + i}"
 BIN = os.path.dirname(sys.executable)
 
 
@@ -44,26 +55,36 @@ def _ip(*args: str) -> None:
 @dataclass
 class Cluster:
     head_ns: str
-    node_ns: str
-    head_veth: str
+    node_nss: list[str]  # one namespace per worker node
+    head_veths: list[str]  # each node's link, the head's end (a bridge port)
     address: str
     env: dict
     procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def node_ns(self) -> str:
+        return self.node_nss[0]
+
+    @property
+    def head_veth(self) -> str:
+        """The head's end of the first node's link (cut it to cut that node off)."""
+        return self.head_veths[0]
 
     def cmd(self, ns: str, *args: str) -> list[str]:
         return ["ip", "netns", "exec", ns, *args]
 
     def rx_bytes(self) -> int:
-        """Bytes the head's end of the veth has received so far."""
-        out = subprocess.run(self.cmd(self.head_ns, "cat",
-                                      f"/sys/class/net/{self.head_veth}/statistics/rx_bytes"),
+        """Bytes the head has received from all nodes so far."""
+        paths = [f"/sys/class/net/{v}/statistics/rx_bytes" for v in self.head_veths]
+        out = subprocess.run(self.cmd(self.head_ns, "cat", *paths),
                              check=True, capture_output=True, text=True).stdout
-        return int(out)
+        return sum(int(line) for line in out.split())
 
     def set_link(self, up: bool) -> None:
-        """Cut (or restore) the link between the two hosts."""
-        _ip("netns", "exec", self.head_ns, "ip", "link", "set", self.head_veth,
-            "up" if up else "down")
+        """Cut (or restore) the links between the head and every node."""
+        for veth in self.head_veths:
+            _ip("netns", "exec", self.head_ns, "ip", "link", "set", veth,
+                "up" if up else "down")
 
 
 def _wait_port(ns: str, ip: str, port: int, proc: subprocess.Popen, limit: float) -> None:
@@ -92,10 +113,22 @@ def _ray_nodes_alive(cluster: Cluster, ns: str, want: int, limit: float) -> None
 
 @contextlib.contextmanager
 def two_hosts(node_cpus: int = 2) -> Iterator[Cluster]:
-    """Build the namespaces, start the Ray head and worker node; tear all down after."""
+    """A head and one worker node (see :func:`hosts`)."""
+    with hosts(1, node_cpus) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def hosts(nodes: int = 1, node_cpus: int = 2) -> Iterator[Cluster]:
+    """Build the namespaces and links, start the Ray head and ``nodes`` worker nodes;
+    tear all down after."""
+    if not 1 <= nodes <= 9:
+        raise ValueError(f"nodes={nodes}: 1 to 9 worker nodes")
     tag = f"{os.getpid() % 100000}"
-    head_ns, node_ns = f"dpxh{tag}", f"dpxn{tag}"
-    head_veth, node_veth = f"dpxh{tag}v", f"dpxn{tag}v"
+    head_ns, bridge = f"dpxh{tag}", f"dpxb{tag}"
+    node_nss = [f"dpxn{tag}" if i == 0 else f"dpxn{tag}-{i}" for i in range(nodes)]
+    head_veths = [f"dpxh{tag}v" if i == 0 else f"dpxh{tag}v{i}" for i in range(nodes)]
+    node_veths = [f"dpxn{tag}v" if i == 0 else f"dpxn{tag}v{i}" for i in range(nodes)]
     temp = tempfile.mkdtemp(prefix="dpexnetns")
     port = 6379
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -103,15 +136,29 @@ def two_hosts(node_cpus: int = 2) -> Iterator[Cluster]:
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16),
                DPEX_ADVERTISE_ADDRESS=HEAD_IP,
                PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p))
-    cluster = Cluster(head_ns, node_ns, head_veth, f"{HEAD_IP}:{port}", env)
+    cluster = Cluster(head_ns, node_nss, head_veths, f"{HEAD_IP}:{port}", env)
+    made: list[str] = []
     try:
-        for ns in (head_ns, node_ns):
+        _ip("netns", "add", head_ns)
+        made.append(head_ns)
+        in_head = ("netns", "exec", head_ns, "ip")
+        _ip(*in_head, "link", "add", bridge, "type", "bridge")
+        for args in (("addr", "add", f"{HEAD_IP}/24", "dev", bridge),
+                     ("link", "set", bridge, "up"), ("link", "set", "lo", "up"),
+                     ("route", "add", "default", "dev", bridge)):
+            _ip(*in_head, *args)
+        for i, (ns, head_veth, node_veth) in enumerate(zip(node_nss, head_veths, node_veths,
+                                                           strict=True)):
             _ip("netns", "add", ns)
-        _ip("link", "add", head_veth, "type", "veth", "peer", "name", node_veth)
-        for ns, veth, ip in ((head_ns, head_veth, HEAD_IP), (node_ns, node_veth, NODE_IP)):
-            _ip("link", "set", veth, "netns", ns)
-            for args in (("addr", "add", f"{ip}/24", "dev", veth), ("link", "set", veth, "up"),
-                         ("link", "set", "lo", "up"), ("route", "add", "default", "dev", veth)):
+            made.append(ns)
+            _ip("link", "add", head_veth, "type", "veth", "peer", "name", node_veth)
+            _ip("link", "set", head_veth, "netns", head_ns)
+            _ip(*in_head, "link", "set", head_veth, "master", bridge)
+            _ip(*in_head, "link", "set", head_veth, "up")
+            _ip("link", "set", node_veth, "netns", ns)
+            for args in (("addr", "add", f"{node_ip(i)}/24", "dev", node_veth),
+                         ("link", "set", node_veth, "up"), ("link", "set", "lo", "up"),
+                         ("route", "add", "default", "dev", node_veth)):
                 _ip("netns", "exec", ns, "ip", *args)
         common = ["--block", "--disable-usage-stats"]
         head = subprocess.Popen(
@@ -122,15 +169,19 @@ def two_hosts(node_cpus: int = 2) -> Iterator[Cluster]:
             stderr=subprocess.DEVNULL)
         cluster.procs.append(head)
         _wait_port(head_ns, HEAD_IP, port, head, 60)
-        node = subprocess.Popen(
-            cluster.cmd(node_ns, os.path.join(BIN, "ray"), "start",
-                        f"--address={cluster.address}", f"--node-ip-address={NODE_IP}",
-                        f"--num-cpus={node_cpus}", f'--resources={{"prep": {node_cpus}}}',
-                        *common),
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
-        cluster.procs.append(node)
-        _ray_nodes_alive(cluster, head_ns, 2, 90)
+        for i, ns in enumerate(node_nss):
+            resources = {"prep": node_cpus, **{f"hosts{k}": 1 for k in range(i + 1, nodes + 1)}}
+            node = subprocess.Popen(
+                cluster.cmd(ns, os.path.join(BIN, "ray"), "start",
+                            f"--address={cluster.address}", f"--node-ip-address={node_ip(i)}",
+                            f"--num-cpus={node_cpus}",
+                            f"--resources={json.dumps(resources)}", *common),
+                env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+            cluster.procs.append(node)
+            # One at a time: nodes of one machine share Ray's session directory, and
+            # two that start together can collide there (one never joins).
+            _ray_nodes_alive(cluster, head_ns, 2 + i, 90)
         yield cluster
     finally:
         for proc in reversed(cluster.procs):
@@ -143,18 +194,24 @@ def two_hosts(node_cpus: int = 2) -> Iterator[Cluster]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
-        for ns in (head_ns, node_ns):  # also removes the veth pair
+        for ns in made:  # also removes the bridge and the veth pairs
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(temp, ignore_errors=True)
 
 
 def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=1, help="worker nodes (1-9)")
+    args = p.parse_args()
     reason = available()
     if reason:
         sys.exit(f"netns_cluster: {reason}")
-    with two_hosts() as c:
-        print(f"Ray head {c.address} in namespace {c.head_ns}; worker node {NODE_IP} in "
-              f"{c.node_ns} with resource 'prep'.\nIn another shell (same RAY_AUTH_TOKEN):\n"
+    with hosts(args.nodes) as c:
+        nodes = ", ".join(f"{node_ip(i)} ({ns})" for i, ns in enumerate(c.node_nss))
+        print(f"Ray head {c.address} in namespace {c.head_ns}; worker nodes {nodes} with "
+              f"resource 'prep'.\nIn another shell (same RAY_AUTH_TOKEN):\n"
               f"  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN={c.env['RAY_AUTH_TOKEN']} "
               f"DPEX_ADVERTISE_ADDRESS={HEAD_IP}\n"
               f"  ip netns exec {c.head_ns} dpex fleet start --name prep --workers 2 "
