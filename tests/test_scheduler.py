@@ -444,3 +444,45 @@ def test_in_order_false_never_waits_for_a_worker_that_is_still_starting():
         if got is not None:
             taken.append(got.payload[0])
     assert sorted(taken) == list(range(30))  # every batch, none waiting on worker 2
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "endless-iterable"])
+def test_the_schedulers_memory_stays_flat_over_a_long_epoch(iterable):
+    """Per-batch bookkeeping ends when the batch is taken: 10,000 more batches of one
+    epoch (an endless stream's, or a map-style one of 32 indices each) add nothing."""
+    import tracemalloc
+
+    s = EpochScheduler(2, 2, iterable=iterable, clock=Clock())
+    counter = iter(range(10**9))
+    draw = (lambda: None) if iterable else (lambda: [next(counter)] * 32)
+    queue = collections.deque()
+
+    def apply(actions):
+        queue.extend((a.worker_id, seq) for a in actions if isinstance(a, SendTasks)
+                     for seq, _ in a.tasks)
+
+    apply(s.start_epoch(draw))
+    for w in range(2):
+        apply(s.ready(w, {"pid": w}))
+
+    def run(batches):
+        taken = 0
+        while taken < batches:
+            got, actions = s.take(draw)
+            apply(actions)
+            if got is None:
+                apply(s.results([msg(1, seq, w, payload=seq) for w, seq in queue]))
+                queue.clear()
+            else:
+                assert got is not EPOCH_END and got.payload == got.seq
+                taken += 1
+
+    tracemalloc.start()
+    try:
+        run(2_000)  # (caches and the deques of recent figures fill up)
+        before = tracemalloc.get_traced_memory()[0]
+        run(10_000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, f"{grown:,} bytes more after 10,000 batches"

@@ -44,6 +44,10 @@ class LossWatch:
         if worker_id is not None:
             self._progress[worker_id] = self.clock()
 
+    def forget(self, seq: int) -> None:
+        """``seq`` was taken: nothing can overtake it any more."""
+        self._order.pop(seq, None)
+
     def alive(self, worker_id: int) -> None:
         """A (re-)HELLO: the worker's silence counts from now."""
         self._progress[worker_id] = self.clock()

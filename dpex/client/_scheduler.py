@@ -259,7 +259,8 @@ class EpochScheduler:
                 break
             seq, self._sent = self._sent, self._sent + 1
             self.ledger.dispatch(seq, w, index)
-            self.workers[w].tasks.append((seq, index))
+            if self.iterable:  # (a map-style task needs no record once it is taken)
+                self.workers[w].shard.dispatched(seq, index)
             self._unsent.setdefault(w, []).append((seq, index))
 
     def _starving(self, w: int) -> bool:
@@ -319,7 +320,13 @@ class EpochScheduler:
         return None, self._actions()
 
     def _taken(self, draw: Callable[[], Any], seq: int) -> None:
+        """Slot ``seq`` was taken (or passed over): its bookkeeping ends here, and its
+        credit draws the next task."""
+        if self.iterable:
+            self.workers[self.ledger.worker_of(seq)].shard.taken(seq)
         self.ledger.consumed(seq)
+        self.losses.forget(seq)
+        self._sent_at.pop(seq, None)  # (a result that came from another worker first)
         self._dispatch(draw, 1)
 
     # -- what the workers send ----------------------------------------------------------
@@ -433,13 +440,10 @@ class EpochScheduler:
             # The shard is this worker's: the replacement passes over the batches before
             # the first one missing, then redoes every task from there on (results that
             # did arrive come again as duplicates and are dropped).
-            first = min((seq for seq, _ in tasks), default=None)
-            at = next((i for i, (seq, _) in enumerate(rec.tasks) if seq == first),
-                      len(rec.tasks))
+            at, tasks = rec.shard.from_seq(min((seq for seq, _ in tasks), default=None))
             at += self._skipped.get(w, 0)  # (a resumed epoch: delivered before it too)
             if at:
                 self._out.append(Control(w, Kind.SKIP, self.epoch, at))
-            tasks = rec.tasks[at:]
         elif self._hand_over(w, tasks):
             return  # the survivors compute them now; the replacement takes new tasks
         if tasks:

@@ -10,7 +10,42 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WorkerRecord", "WorkerTable", "Recovery", "recovery"]
+__all__ = ["WorkerRecord", "WorkerTable", "ShardTasks", "Recovery", "recovery"]
+
+
+class ShardTasks:
+    """An IterableDataset worker's tasks this epoch, as much as its replacement needs:
+    how many it was given, and those not yet taken by the training loop (at most the
+    window) or taken ahead of one that is not. Each task's entry ends when it is taken,
+    so an endless epoch keeps a bounded record."""
+
+    def __init__(self) -> None:
+        self.count = 0  # tasks given this epoch
+        self._live: dict[int, Any] = {}  # seq -> indices, not yet taken
+        self._ahead: dict[int, Any] = {}  # taken while an earlier one of these was not
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._ahead)
+
+    def dispatched(self, seq: int, indices: Any) -> None:
+        self.count += 1
+        self._live[seq] = indices
+
+    def taken(self, seq: int) -> None:
+        indices = self._live.pop(seq, None)
+        floor = min(self._live, default=None)
+        if floor is not None and floor < seq:  # (in_order=False: taken out of order)
+            self._ahead[seq] = indices
+        if self._ahead:
+            self._ahead = {s: i for s, i in self._ahead.items() if floor is not None and s > floor}
+
+    def from_seq(self, first: int | None) -> tuple[int, list[tuple[int, Any]]]:
+        """Where task ``first`` stands in the shard (how many of the worker's tasks came
+        before it) and the tasks from it on, in order (None: after the last task)."""
+        if first is None:
+            return self.count, []
+        later = sorted(t for t in (*self._live.items(), *self._ahead.items()) if t[0] >= first)
+        return self.count - len(later), later
 
 
 @dataclass
@@ -22,7 +57,7 @@ class WorkerRecord:
     info: dict | None = None  # the current incarnation's HELLO; None until it is ready
     known: dict | None = None  # the last HELLO of any incarnation (pid, node)
     active: bool = True  # this epoch: still has data (an IterableDataset's shard)
-    tasks: list[tuple[int, Any]] = field(default_factory=list)  # this epoch's, in order
+    shard: ShardTasks = field(default_factory=ShardTasks)  # an IterableDataset's, this epoch
     ended_seq: int | None = None  # the slot of its END this epoch (IterableDataset)
     batches: int = 0  # its results that counted, this iterator
     first_ready_at: float | None = None
@@ -72,7 +107,7 @@ class WorkerTable:
 
     def new_epoch(self) -> None:
         for rec in self.records:
-            rec.active, rec.tasks, rec.ended_seq = not rec.gone, [], None
+            rec.active, rec.shard, rec.ended_seq = not rec.gone, ShardTasks(), None
 
     def all_ready(self) -> bool:
         """The iterator's own workers are ready (one added while it runs is waited for
