@@ -11,7 +11,7 @@ import ray
 
 from dpex.errors import RayConnectionError
 
-__all__ = ["connect_ray", "would_start_embedded"]
+__all__ = ["connect_ray", "would_start_embedded", "ray_handle_reducer", "load_ray_handle"]
 
 _lock = threading.Lock()
 _REACH_TIMEOUT_S = 10.0
@@ -116,3 +116,28 @@ def _join(address: str, named: str) -> None:
                     "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN as the cluster)")
         raise RayConnectionError(
             f"cannot join the Ray cluster at {named}: {exc}{hint}") from exc
+
+
+def ray_handle_reducer(obj: object) -> tuple | None:
+    """How dpex ships a Ray object ref or actor handle inside a dataset: pickled by
+    Ray itself (with its owner, so a worker can use it; the object is then kept for
+    as long as its owner lives, Ray's rule for refs pickled out of band), restored by
+    :func:`load_ray_handle`. None for anything else."""
+    if not isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
+        return None
+    return load_ray_handle, (ray.cloudpickle.dumps(obj),)
+
+
+def load_ray_handle(data: bytes) -> object:
+    """A shipped object ref or actor handle, in a worker: in a session's own process
+    (warm workers, fleets) Ray is not connected yet, and joins the worker's cluster
+    (``RAY_ADDRESS``, set by the session process) first."""
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise RayConnectionError("a Ray object ref or actor handle reached a process "
+                                     "that knows no Ray cluster (RAY_ADDRESS is not set)")
+        with _lock:
+            if not ray.is_initialized():
+                ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    return ray.cloudpickle.loads(data)

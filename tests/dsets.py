@@ -453,3 +453,25 @@ class PositionedShards(ShardedRange):
 
     def load_state_dict(self, state):
         self.start = state["pos"]
+
+
+class RayRefs(Dataset):
+    """Reads its items through Ray: an object the trainer put, and the cluster the
+    worker is connected to (a dataset that reads Ray Data shards or object refs)."""
+
+    def __init__(self, n: int = 8, hold_ref: bool = True) -> None:
+        import ray
+
+        self.n = n
+        self.ref = ray.put(torch.arange(2 * n).view(n, 2)) if hold_ref else None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        import ray
+
+        if self.ref is None:  # Ray's API only: the first call connects
+            address = ray.get_runtime_context().gcs_address
+            return ray.get(ray.put(torch.tensor([2 * i, 2 * i + 1])), timeout=30), address
+        return ray.get(self.ref, timeout=30)[i], ray.get_runtime_context().gcs_address

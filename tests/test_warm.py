@@ -51,6 +51,26 @@ def test_a_warm_worker_gives_exactly_what_a_fresh_one_gives():
     assert pids[0] == pids[1] == pids[2]  # the same Ray workers, no new actor
 
 
+@pytest.mark.parametrize("hold_ref", [True, False], ids=["object-ref", "ray-calls"])
+def test_a_dataset_that_reads_through_ray_works_in_every_session(hold_ref):
+    """The second and later iterators run in sessions forked from the warm worker's
+    forkserver: Ray calls there reach the trainer's cluster (no second cluster), and
+    an object ref the dataset holds can be read there (and in the first session)."""
+    import ray
+
+    dataset = dsets.RayRefs(8, hold_ref)
+    here = ray.get_runtime_context().gcs_address
+    loader = DpexDataLoader(dataset, batch_size=4, num_workers=2, distribute_mode=True,
+                            timeout=60)
+    for epoch in range(3):
+        batches = list(loader)
+        assert [b[0].tolist() for b in batches] == [[[0, 1], [2, 3], [4, 5], [6, 7]],
+                                                    [[8, 9], [10, 11], [12, 13], [14, 15]]]
+        assert {a for b in batches for a in b[1]} == {here}, epoch
+        assert POOL.wait_settled(20)
+    assert all(w["warm"] for w in loader.stats()["workers"].values())
+
+
 def test_idle_workers_end_after_their_timeout_and_on_release():
     loader = DpexDataLoader(dsets.Squares(8), batch_size=4, num_workers=2,
                             distribute_mode=True, warm_worker_timeout=2.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 import threading
 from collections.abc import Iterator
@@ -10,10 +11,26 @@ from typing import Any
 
 import cloudpickle
 
+from dpex._ray_connect import ray_handle_reducer
 from dpex._spec import ShippedLoader
 from dpex.errors import DatasetNotPicklableError
 
 __all__ = ["ship_loader", "find_unpicklable"]
+
+
+class _ShipPickler(cloudpickle.Pickler):
+    """cloudpickle, except Ray's object refs and actor handles, which Ray pickles (plain
+    cloudpickle drops a ref's owner: a worker's ``ray.get`` of it would wait forever)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduced = ray_handle_reducer(obj)
+        return reduced if reduced is not None else super().reducer_override(obj)
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _ShipPickler(buf, protocol=5).dump(obj)
+    return buf.getvalue()
 
 _MAX_DEPTH = 6
 
@@ -32,7 +49,7 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
 def find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, BaseException] | None:
     """The deepest attribute path under ``obj`` that fails to pickle, with its error."""
     try:
-        cloudpickle.dumps(obj, protocol=5)
+        _dumps(obj)
         return None
     except Exception as exc:
         error = exc
@@ -70,7 +87,7 @@ def ship_loader(shipped: ShippedLoader) -> bytes:
     """Cloudpickle ``shipped``; raise :class:`DatasetNotPicklableError` naming the culprit."""
     try:
         with _spawned_script_by_value():
-            return cloudpickle.dumps(shipped, protocol=5)
+            return _dumps(shipped)
     except Exception as exc:
         for name in ("dataset", "collate_fn", "worker_init_fn"):
             obj = getattr(shipped, name)

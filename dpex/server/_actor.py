@@ -63,6 +63,15 @@ def _placement() -> dict:
     }
 
 
+def _ray_address() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # (not in a Ray worker: a test's direct instance)
+        return None
+
+
 class _Session:
     """What one ``serve`` call (one trainer iterator, one worker id) shares between
     its asyncio side and its compute thread."""
@@ -131,6 +140,7 @@ class DpexWorker:
         self.fleet_setting = fleet_setting
         self.draining = False
         self.placement = _placement()
+        self._ray_address = _ray_address()  # for Ray calls in its sessions' processes
         self._sessions: set[_Session] = set()
         self._computes: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._children: set[SessionProcess] = set()  # pooled sessions' processes
@@ -192,7 +202,7 @@ class DpexWorker:
     async def _serve_in_child(self, spec: WorkerSpec, shipped: bytes) -> None:
         loop = asyncio.get_running_loop()
         child = SessionProcess(SessionWorker, spec, shipped, self.placement,
-                               self.session_timeout)
+                               self.session_timeout, self._ray_address)
         session = _Session()
         self._sessions.add(session)
         with self._lock:

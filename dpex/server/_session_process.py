@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -46,10 +47,11 @@ class SessionProcess:
     """The fleet worker's handle on one session's child process."""
 
     def __init__(self, worker_class: type, spec: Any, shipped: bytes, placement: dict,
-                 session_timeout: float) -> None:
+                 session_timeout: float, ray_address: str | None = None) -> None:
         """``worker_class(placement, session_timeout, counts)`` serves the session in the
         child (the actor module's ``SessionWorker``, passed by reference: pickled by
-        name, so this module does not import the actor's)."""
+        name, so this module does not import the actor's). ``ray_address``: the GCS
+        of the worker's cluster, which Ray calls in the child's dataset code join."""
         ctx = _context()
         self.counts = ctx.RawArray("q", len(COUNTERS))  # written by the child
         self._conn, child_end = ctx.Pipe()
@@ -57,7 +59,7 @@ class SessionProcess:
         self._proc = ctx.Process(
             target=_main, name=f"dpex-session-{spec.worker_id}", daemon=True,
             args=(worker_class, spec, shipped, placement, session_timeout, self.counts,
-                  child_end))
+                  child_end, ray_address))
         self._lock = threading.Lock()  # start and stop run on executor threads
         self._stopped = False
         self._outcome: BaseException | None = None
@@ -129,8 +131,16 @@ class SessionProcess:
 
 
 def _main(worker_class: type, spec: Any, shipped: bytes, placement: dict,
-          session_timeout: float, counts: Any, conn: Connection) -> None:
+          session_timeout: float, counts: Any, conn: Connection,
+          ray_address: str | None = None) -> None:
     """The child: serve one session until it ends, the fleet worker asks, or dies."""
+    if ray_address:
+        # Ray is imported here but not connected (the forkserver never was): the first
+        # Ray call of the dataset's code (or an object ref or actor handle it holds,
+        # see dpex._ray_connect.load_ray_handle) connects to this address, the worker's
+        # own cluster, instead of starting a new local one. A dataset that makes no Ray
+        # call connects nothing (a connection takes ~0.3 s here).
+        os.environ["RAY_ADDRESS"] = ray_address
     worker = worker_class(placement, session_timeout, counts)
     outcome: BaseException | None = None
     try:
