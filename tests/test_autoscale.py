@@ -54,13 +54,13 @@ class Loop:
         self.scaler.begin(self.now, 0.0, 0)
         assert self.window(stall=0.9, rate=1, batch_s=1.0) is None  # an epoch's first: filling
 
-    def window(self, stall, rate, batch_s, starting=0, room=None):
+    def window(self, stall, rate, batch_s, starting=0, room=None, in_flight=0):
         span = self.scaler.policy.interval
         self.now += span
         self.waited += stall * span
         self.taken += round(rate * span)
         new = self.scaler.tick(self.now, self.waited, self.taken, self.workers, starting,
-                               batch_s, room)
+                               batch_s, room, in_flight=in_flight)
         if new is not None:
             self.workers = new
         return new
@@ -73,6 +73,7 @@ def test_a_stalled_loop_goes_straight_to_the_workers_it_needs_then_holds():
     assert "4.0 workers keep up" in loop.scaler.decisions[-1]["reason"]
     for _ in range(4):
         assert loop.window(stall=0.5, rate=10, batch_s=0.2, starting=2) is None  # starting
+    assert loop.window(stall=0.5, rate=10, batch_s=0.2) is None  # the window they started in
     assert loop.window(stall=0.5, rate=10, batch_s=0.2) is None  # held (2 windows)
     assert loop.window(stall=0.5, rate=10, batch_s=0.2) is None
     assert loop.window(stall=0.5, rate=10, batch_s=0.2) == 1  # the trial: 5 were no better
@@ -83,6 +84,22 @@ def test_a_stalled_loop_goes_straight_to_the_workers_it_needs_then_holds():
     for _ in range(2):
         assert loop.window(stall=0.5, rate=40, batch_s=0.005) is None  # (held)
     assert loop.window(stall=0.5, rate=40, batch_s=0.005) == 2  # no better: back
+
+
+def test_a_scale_up_is_judged_only_once_its_workers_made_a_batch_and_the_backlog_drained():
+    """Slow batches (0.25 s, a 25 ms loop step): 1 -> 12. The added workers' first
+    results come late (their sessions load the dataset), then the loop takes the 24
+    batches dispatched before the scale-up at the old pace: none of that is the new
+    count's rate (it used to be judged there: 1 -> 12 -> 1 -> 11 -> 1)."""
+    loop = Loop(Autoscale(1, 12))
+    assert loop.window(stall=0.9, rate=4, batch_s=0.25, in_flight=24) == 12
+    for _ in range(3):  # HELLO came, the dataset loads: no first result yet
+        assert loop.window(stall=1.0, rate=0, batch_s=0.25, starting=11) is None
+    for _ in range(6):  # the backlog, at the old pace (and the window it ended in)
+        assert loop.window(stall=0.9, rate=4, batch_s=0.25) is None
+    for _ in range(5):  # the new pace: kept
+        assert loop.window(stall=0.1, rate=36, batch_s=0.25) is None
+    assert loop.workers == 12 and len(loop.scaler.decisions) == 1
 
 
 def test_more_workers_that_do_not_raise_the_rate_are_taken_back_and_capped_a_while():

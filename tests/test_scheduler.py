@@ -341,17 +341,26 @@ def test_workers_added_and_retired_mid_epoch_leave_every_epoch_exact(seed):
     assert sim.s.counters["added"] + sim.s.counters["retired"] > 0 or seed % 10 == 0
 
 
-def test_an_added_worker_takes_tasks_once_ready_and_its_credit_serves_the_others_meanwhile():
-    s, draw = EpochScheduler(1, 2), draw_from([[i] for i in range(20)])
+def test_an_added_worker_gets_its_own_tasks_from_the_start_not_a_backlog_on_the_others():
+    """1 -> 12 workers: each added worker's credits are its own tasks in turn (held for
+    it until it is ready); worker 0 keeps its share, so the loop never waits through a
+    backlog queued on it at the old pace (it used to hold 24 tasks)."""
+    s, draw = EpochScheduler(1, 2), draw_from([[i] for i in range(200)])
     s.start_epoch(draw)
     s.ready(0, {})
-    actions = s.add_worker(draw)
-    assert actions[0] == StartWorker(1) and s.capacity == 4 and s.in_flight == 4
-    assert sends(actions[1:]) == {(0, (2, 3))}  # worker 1 is starting: to worker 0
+    sent = set()
+    for w in range(1, 12):
+        actions = s.add_worker(draw)
+        assert actions[0] == StartWorker(w)
+        sent |= sends(actions[1:])
+    assert s.capacity == 24 and s.in_flight == 24
+    assert s.ledger.held(0) == 2
+    assert all(s.ledger.held(w) == 2 for w in range(1, 12))
+    assert {w for w, _ in sent} <= set(range(1, 12))  # nothing more for worker 0
     s.ready(1, {})
-    s.results([msg(1, 0, 0)])
-    _, actions = s.take(draw)  # slot 4: worker 1's turn, and it is idle: sent at once
-    assert sends(actions) == {(1, (4,))}
+    s.results([msg(1, 0, 0), msg(1, 1, 0)])
+    got, actions = s.take(draw)
+    assert got.seq == 0 and s.ledger.held(0) <= 2
 
 
 def test_a_retired_worker_finishes_what_it_holds_gets_nothing_new_and_is_then_stopped():

@@ -13,7 +13,10 @@ Rules (hysteresis: up fast, down slowly):
 
 1. ``stall > target``: go straight to ``need`` plus 15 % (at least one more), up
    to ``max``, the room and a ceiling found earlier. Remember the loop's rate.
-2. The first window after a scale-up is its trial: if the loop's rate rose by less
+2. The first window after a scale-up *has settled* is its trial (settled: every
+   added worker sent its first result, which a session loading its dataset makes
+   well after its HELLO, and the loop took every batch dispatched before the
+   scale-up, which the old workers make at the old pace): if the loop's rate rose by less
    than 30 % of what the added workers should have given (the workers compete for
    the same CPUs, say), the workers go to the count the gain is worth (the old count
    times the rate's growth), which becomes a ceiling. The ceiling is tried again
@@ -23,8 +26,8 @@ Rules (hysteresis: up fast, down slowly):
 4. No scale-up while ``need`` plus 15 % is no more than the workers there are (the
    wait may be elsewhere); if the stall lasts ``patience`` windows, one more worker
    is tried (and judged as in rule 2).
-5. No decision while added workers start, for two windows after a change, and in
-   the first window of an epoch.
+5. No decision while a scale-up settles (rule 2) nor in the window in which it
+   settled, for two windows after a change, and in the first window of an epoch.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class Autoscaler:
         self._trial: tuple[int, float] | None = None  # (workers before, loop rate before)
         self._ceiling: tuple[int, float] | None = None  # (workers, until when)
         self._backoff = _CEILING_WINDOWS  # doubles each time a ceiling is found again
+        self._drain_at: int | None = None  # taken count at which a scale-up's backlog is gone
+        self._settling = False  # the last window had a scale-up settling
 
     def begin(self, now: float, waited: float, taken: int) -> None:
         """Start a fresh window (a new epoch: the time between epochs is not the loop's).
@@ -71,10 +76,11 @@ class Autoscaler:
         return self._window is None or now - self._window[0] >= self.policy.interval
 
     def tick(self, now: float, waited: float, taken: int, workers: int, starting: int,
-             batch_s: float | None, room: int | None) -> int | None:
+             batch_s: float | None, room: int | None, in_flight: int = 0) -> int | None:
         """The worker count to go to, or None to stay. ``waited``/``taken``: the loop's
-        cumulative wait (s) and batches; ``starting``: added workers not ready yet;
-        ``room``: how many more workers the cluster can place (None: no limit)."""
+        cumulative wait (s) and batches; ``starting``: added workers without a first
+        result yet; ``room``: how many more workers the cluster can place (None: no
+        limit); ``in_flight``: batches dispatched and not yet taken."""
         if self._window is None:
             self.begin(now, waited, taken)
             return None
@@ -91,7 +97,11 @@ class Autoscaler:
         self.history.append({"t": now - self.started, "workers": workers,
                              "stall_share": stall, "batches_per_s": rate,
                              "batch_s": batch_s, "step_s": step})
-        if starting:  # added workers not ready: nothing to judge yet
+        settling = bool(starting) or (self._drain_at is not None and taken < self._drain_at)
+        if settling or self._settling:  # (the window it settled in is partly its own)
+            self._settling = settling
+            if not settling:
+                self._drain_at = None
             return None
         if self._hold:
             self._hold -= 1
@@ -130,6 +140,7 @@ class Autoscaler:
             new = min(top, workers + 1 if enough else max(workers + 1, want))
             self._blocked = 0
             self._trial = (workers, rate)
+            self._drain_at = taken + in_flight  # what the old workers hold comes first
             return self._decide(now, workers, new, figures, (
                 f"the loop waited for data {stall:.0%} of the last {span:.1f} s (target "
                 f"{target:.0%}); {_explain(need, batch_s, step)}"))

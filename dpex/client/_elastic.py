@@ -81,10 +81,13 @@ class ElasticWorkers:
             return
         self._give_up_unstarted()
         records = self._sched.workers.records
-        starting = sum(r.added and not r.ready and not r.gone for r in records)
+        # (an added worker starts at its first result: its HELLO can come long before,
+        # while its session loads the dataset)
+        starting = sum(r.added and not r.batches and not r.gone for r in records)
         workers = self._sched.num_workers
         new = scaler.tick(now, self._waited_total, self._taken_total, workers, starting,
-                          mean(self._sched.batch_times), self._room())
+                          mean(self._sched.batch_times), self._room(),
+                          in_flight=self._sched.in_flight)
         if new is None or new == workers:
             return
         decision = scaler.decisions[-1]

@@ -218,9 +218,13 @@ class EpochScheduler:
         """torch's choice: the next active worker in turn; with ``in_order=False`` only
         one holding fewer than its share of the window, so a slow worker cannot hoard it.
         A map-style dataset's replacement that is still starting is passed over while
-        another worker can take the batch (an IterableDataset's shard is its worker's)."""
-        # (the share of those that can start a task now: an added worker that is still
-        # starting lends its credit to the others)
+        another worker can take the batch (an IterableDataset's shard is its worker's).
+        A worker added during the iteration gets its own tasks in turn from the start
+        (held for it until it is ready): lent to the others, its credits would queue on
+        them a backlog that the in-order loop has to wait through, at the old pace,
+        before the added worker's first result could count (with ``in_order=False``,
+        where nothing waits for a slot, they serve the others meanwhile)."""
+        # (the share of those that can start a task now)
         share = self.capacity // max(1, sum(r.active and r.accepting and not r.starting
                                             for r in self.workers.records))
         fallback = None
@@ -229,7 +233,8 @@ class EpochScheduler:
             self._turn = (self._turn + 1) % len(self.workers)
             if rec.active and rec.accepting and (
                     self.in_order or rec.starting or self.ledger.held(rec.id) < share):
-                if not rec.starting or self.iterable:
+                if not rec.starting or self.iterable or (
+                        self.in_order and rec.added and rec.incarnation == 0):
                     return rec.id
                 fallback = rec.id if fallback is None else fallback
         if fallback is not None and self.workers[fallback].added and any(
@@ -237,14 +242,15 @@ class EpochScheduler:
             return None  # the others are at their share: wait for a credit, not for it
         return fallback
 
-    def _dispatch(self, draw: Callable[[], Any], n: int) -> None:
-        """Draw up to ``n`` index batches, as credits allow, and queue them as tasks."""
+    def _dispatch(self, draw: Callable[[], Any], n: int, to: int | None = None) -> None:
+        """Draw up to ``n`` index batches, as credits allow, and queue them as tasks
+        (for worker ``to``, or each for the next worker in turn)."""
         for _ in range(n):
             if self.in_flight >= self.capacity:
                 break
             # A map-style batch is drawn only once a worker can take it (none can while
             # the others are at their share and an added one starts: in_order=False).
-            w = None if self.iterable else self._next_worker()
+            w = to if to is not None else None if self.iterable else self._next_worker()
             if w is None and not self.iterable:
                 break
             try:
@@ -466,7 +472,9 @@ class EpochScheduler:
         self.counters["added"] += 1
         self._out.append(StartWorker(rec.id))
         if self.epoch:
-            self._dispatch(draw, self.prefetch_factor)
+            # Its credits: its own tasks with in_order (see _next_worker), else the
+            # others' meanwhile.
+            self._dispatch(draw, self.prefetch_factor, rec.id if self.in_order else None)
             self._flush(only_if_needed=True)
         return self._actions()
 
