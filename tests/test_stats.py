@@ -64,3 +64,18 @@ def test_the_stall_share_says_which_side_is_slow(slow):
     latency = stats["batch_latency"]
     assert latency["n"] == 12 and 0 < latency["p50_ms"] <= latency["p99_ms"] <= latency["max_ms"]
     assert latency["p50_ms"] < 40 if slow == "dataset" else latency["p50_ms"] > 50, latency
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_stats_after_a_loop_left_with_break_are_that_iterators():
+    loader = DpexDataLoader(dsets.Squares(40, max_sleep=0), batch_size=2, num_workers=2,
+                            distribute_mode=True)
+    with loader:
+        assert len(list(loader)) == 20  # a whole epoch first: its iterator's figures stay
+        assert loader.stats()["received"] == 20
+        for n, _ in enumerate(loader, 1):
+            if n == 3:
+                break
+        stats = loader.stats()
+    assert stats and stats["epoch"] == 1 and 3 <= stats["received"] < 20, stats
+    assert sum(w["batches"] for w in stats["workers"].values()) >= 3

@@ -603,11 +603,13 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         """True once this iterator's workers, sockets and thread are stopped."""
         return self._runtime.closed
 
-    def stats(self) -> LoaderStats:
-        """This iterator's counters and data-stall figures (docs/STATS.md)."""
-        if self._loop.running:
+    def stats(self, wait: bool = True) -> LoaderStats:
+        """This iterator's counters and data-stall figures (docs/STATS.md). With
+        ``wait=False`` (``__del__``) the session's counters are read from this thread,
+        not copied on the loop thread."""
+        if wait and self._loop.running:
             session = self._loop.run(self._session.snapshot(), timeout=5.0)
-        else:  # the loop thread is gone: nothing changes the counters any more
+        else:  # the loop thread is gone (nothing changes them), or not to be waited for
             session = self._session.counters()
         now = time.monotonic()
         epoch_s = (self._epoch_end or now) - self._epoch_t0
@@ -642,6 +644,10 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
             except Exception:  # never from __del__; the state is then an epoch boundary
                 logger.debug("dpex: could not keep a dropped iterator's position",
                              exc_info=True)
+            try:  # loader.stats() after a loop left with `break`: this iterator's
+                loader._final_stats = self.stats(wait=False)
+            except Exception:  # (a counter changed while it was read: never from __del__)
+                logger.debug("dpex: could not keep a dropped iterator's stats", exc_info=True)
         # The finalizer is the safety net; this only makes the common case prompt.
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
