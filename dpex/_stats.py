@@ -32,7 +32,7 @@ class Latencies:
         """``{"n", "p50_ms", "p99_ms", "max_ms"}`` over the kept batches; None if none."""
         if not self._recent:
             return None
-        ordered = sorted(self._recent)
+        ordered = sorted(self._recent.copy())  # (copied at once: any thread may ask)
         n = len(ordered)
 
         def at(q: float) -> float:  # nearest rank

@@ -5,6 +5,7 @@ import copy
 import os
 import pickle
 import signal
+import sys
 import time
 
 import dsets
@@ -175,6 +176,54 @@ def take_until_ready(it, workers, got, limit=120.0):
     while len(it._ready) < workers:
         assert time.monotonic() < deadline, f"only {sorted(it._ready)} ready"
         it._receive_one(until=time.monotonic() + 0.2)  # (HELLOs arrive as events)
+
+
+@ray_only
+@pytest.mark.timeout(300)
+def test_stats_and_scale_workers_from_another_thread_while_the_loop_runs():
+    """A metrics server's thread reads stats() and a control thread changes the worker
+    count while the training thread iterates: no error on either side (it used to
+    raise "deque mutated during iteration"), the count asked for last is carried out
+    by the training thread, and the epoch is exact."""
+    import itertools
+    import threading
+
+    def kwargs():
+        return dict(batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(5))
+    want = torch_batches(dsets.Squares(300, max_sleep=0.01), **kwargs())
+    # (an autoscaler that measures every 20 ms: its history grows while stats() reads it)
+    loader = DpexDataLoader(dsets.Squares(300, max_sleep=0.01), distribute_mode=True,
+                            num_workers=Autoscale(1, 3, interval=0.02), **kwargs())
+    it = iter(loader)
+    got = [next(it)]
+    errors, stop, reads = [], threading.Event(), [0]
+
+    def meddle():
+        counts = itertools.cycle([2, 3, 1, 2])
+        while not stop.is_set():
+            try:
+                for _ in range(50):
+                    loader.stats()
+                    reads[0] += 1
+                loader.scale_workers(next(counts))
+            except Exception as exc:  # noqa: BLE001 (what the test is about)
+                errors.append(exc)
+                return
+    thread = threading.Thread(target=meddle, daemon=True)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads take turns often: races show at once
+    thread.start()
+    try:
+        got += list(it)
+    finally:
+        stop.set()
+        thread.join(30)
+        sys.setswitchinterval(switch)
+    assert not errors, errors
+    assert reads[0] > 100
+    assert_same([want], [got])
+    loader.scale_workers(2)  # (the epoch ended: for the next iterator)
+    loader.close()
 
 
 @ray_only

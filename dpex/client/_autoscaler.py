@@ -166,8 +166,10 @@ class Autoscaler:
         """For ``loader.stats()["autoscale"]``."""
         return {"min": self.policy.min, "max": self.most, "target": self.policy.target,
                 "workers": workers, "ceiling": None if self._ceiling is None
-                else self._ceiling[0], "decisions": [dict(d) for d in self.decisions],
-                "history": [dict(h) for h in self.history]}
+                else self._ceiling[0],
+                # (copied at once: stats() may run on another thread than tick())
+                "decisions": [dict(d) for d in self.decisions.copy()],
+                "history": [dict(h) for h in self.history.copy()]}
 
 
 def _explain(need: float | None, batch_s: float | None, step: float | None) -> str:

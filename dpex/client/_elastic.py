@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any
 
@@ -50,12 +51,29 @@ class ElasticWorkers:
     _dataset_kind: Any
     _worker_shared_seed: Any
     _loader_ref: Any
+    _training_thread: int  # the thread that takes the batches (the scheduler is its own)
+    _scale_request: int | None  # a count asked for from another thread, not yet carried out
+
+    def _scale_as_requested(self) -> None:
+        """On the training thread: carry out a count asked for from another thread."""
+        n, self._scale_request = self._scale_request, None
+        if n is not None:
+            self.scale_to(n)
 
     def scale_to(self, n: int) -> None:
         """Run ``n`` workers from now on (map-style datasets): new ones take tasks once
-        ready; removed ones finish what they hold first. Nothing is lost or repeated."""
+        ready; removed ones finish what they hold first. Nothing is lost or repeated.
+        Called on another thread than the training loop's (a control server, say), it
+        is carried out by the training thread at its next batch (the scheduler is that
+        thread's alone)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"scale_to() takes a worker count >= 1, got {n!r}")
+        if threading.get_ident() != self._training_thread:
+            if self._dataset_kind == _DatasetKind.Iterable:
+                raise ValueError("an IterableDataset's worker count is fixed: each worker "
+                                 "iterates its own shard")
+            self._scale_request = n
+            return
         if self._dataset_kind == _DatasetKind.Iterable:
             raise ValueError("an IterableDataset's worker count is fixed: each worker "
                              "iterates its own shard")

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import queue
+import threading
 import time
 import traceback
 import warnings
@@ -233,6 +234,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         self._added_at: dict[int, float] = {}
         self._waited_total, self._taken_total = 0.0, 0  # over the iterator's life
         self._autoscaler: Autoscaler | None = None
+        self._training_thread, self._scale_request = threading.get_ident(), None
         if policy is not None:
             most = policy.max or max(1, int(ray.cluster_resources().get("CPU", 1)))
             self._autoscaler = Autoscaler(policy, most, time.monotonic())
@@ -318,7 +320,10 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
     def _next_data(self) -> Any:
         if self._runtime.closed and self._epoch_end is None:  # an ended epoch stays ended
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
+        self._training_thread = threading.get_ident()
         while True:
+            if self._scale_request is not None:
+                self._scale_as_requested()
             if self._autoscaler is not None:
                 self._autoscale()
             msg, actions = self._sched.take(self._next_index)
@@ -622,13 +627,13 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
             "workers_ready": len(self._ready),
             "workers": workers,
             "credits_in_flight": self._sched.in_flight,
-            "worker_batch_s": mean(self._sched.batch_times),
+            "worker_batch_s": mean(self._sched.batch_times.copy()),
             "batch_latency": self._latencies.summary(),
             "dataset_bytes": self._shipped_bytes,
             "dataset_reused": self._shipped_reused,
             **session,
             "dropped": dict(self._sched.counters),
-            "recoveries": [dict(r) for r in self._sched.recoveries],
+            "recoveries": [dict(r) for r in self._sched.recoveries.copy()],
             **({"autoscale": self._autoscaler.report(self._sched.num_workers)}
                if self._autoscaler is not None else {}),
         }
