@@ -113,8 +113,9 @@ class UnsupportedError(DpexError):
 
 
 class ResumeStateError(DpexError, ValueError):
-    """``load_state_dict()`` got a state this loader cannot resume from; the message
-    says what differs."""
+    """``load_state_dict()`` got a state this loader cannot resume from, or
+    ``state_dict()`` cannot take one (a worker's state over ``max_message_bytes``);
+    the message says what differs."""
 
 
 class DpexWarning(UserWarning):

@@ -475,3 +475,14 @@ class RayRefs(Dataset):
             address = ray.get_runtime_context().gcs_address
             return ray.get(ray.put(torch.tensor([2 * i, 2 * i + 1])), timeout=30), address
         return ray.get(self.ref, timeout=30)[i], ray.get_runtime_context().gcs_address
+
+
+class BulkyPositionedShards(PositionedShards):
+    """``PositionedShards`` whose ``state_dict()`` also holds ``blob`` bytes."""
+
+    def __init__(self, blob: int) -> None:
+        super().__init__()
+        self.blob = blob
+
+    def state_dict(self):
+        return {**super().state_dict(), "blob": b"x" * self.blob}

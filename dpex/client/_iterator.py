@@ -62,6 +62,7 @@ from dpex.errors import (
     EventLoopError,
     IteratorClosedError,
     PlacementWarning,
+    ResumeStateError,
     WorkerDiedError,
     WorkerStartupError,
 )
@@ -529,6 +530,10 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
                 raise DpexTimeoutError(f"state_dict(): workers {waiting} did not report their "
                                        f"RNG states within {_RNG_QUERY_S:g} s")
             self._receive_one(until=deadline)
+        for w in asked:
+            state = self._rng_replies[(w, *asked[w])].state if answered(w) else None
+            if isinstance(state, dict) and "error" in state:  # too large to send
+                raise ResumeStateError(f"state_dict(): {state['error']}")
         started = {w: spec.rng_state for w, spec in enumerate(self._specs)
                    if spec.rng_state is not None}
         return {**started, **{w: self._rng_replies[(w, *asked[w])].state if answered(w) else None

@@ -394,6 +394,13 @@ class DpexWorker:
         except Exception:  # a dataset state that cannot be pickled: the RNG states alone
             rng = {k: v for k, v in (rng or {}).items() if k != "dataset"} or None
             frames = spec.wire.encode(Kind.RNG_STATE, epoch, seq, spec.worker_id, rng)
+        size = len(frames[2])
+        if size > spec.wire.max_message_bytes:  # the trainer's socket would cut it unseen
+            frames = spec.wire.encode(Kind.RNG_STATE, epoch, seq, spec.worker_id, {
+                "error": f"worker {spec.worker_id}'s RNG and dataset state is {size:,} "
+                         f"bytes, over max_message_bytes={spec.wire.max_message_bytes:,}: "
+                         "raise DpexDataLoader(max_message_bytes=...) or keep less in the "
+                         "dataset's state_dict()"})
         await ctrl.send_multipart(frames)
 
 
