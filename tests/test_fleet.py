@@ -183,6 +183,14 @@ def test_an_unknown_fleet_is_a_clear_error():
         iter(loader)
 
 
+@pytest.mark.parametrize("timeout", [0, -1, float("nan")])
+def test_a_session_timeout_that_would_free_every_session_at_once_is_refused(timeout):
+    from dpex.server._fleet import start_fleet
+
+    with pytest.raises(FleetError, match=r"--session-timeout must be > 0 seconds"):
+        start_fleet("prep", 2, session_timeout=timeout)  # (before Ray is asked anything)
+
+
 def test_worker_pool_and_ray_remote_args_do_not_mix():
     with pytest.raises(ValueError, match="ray_remote_args has no effect with worker_pool"):
         DpexDataLoader(dsets.Squares(8), distribute_mode=True, worker_pool="prep",

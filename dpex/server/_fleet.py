@@ -46,6 +46,10 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
         raise FleetError(f"fleet name {fleet!r}: give a non-empty name without '/'")
     if workers < 1:
         raise FleetError(f"--workers must be >= 1, got {workers}")
+    if not session_timeout > 0:  # (NaN too) 0 would free every session at once
+        raise FleetError(f"--session-timeout must be > 0 seconds (how long a session may "
+                         f"hear nothing from its trainer before it is freed), got "
+                         f"{session_timeout}")
     if fleet_workers(fleet):
         raise FleetError(f"a dpex fleet named {fleet!r} is running already; stop it first "
                          f"(dpex fleet stop --name {fleet})")
