@@ -64,3 +64,34 @@ def test_a_fleet_session_process_ends_with_the_fleet_worker_that_owns_it(live_se
     finally:
         worker.kill()
         worker.wait(10)
+
+
+FORKSERVER_HOST = textwrap.dedent("""
+    import multiprocessing, sys, time
+    from dpex.server import _session_process
+    _session_process.prestart()
+    print(multiprocessing.current_process()._config["tempdir"], flush=True)
+    time.sleep(float(sys.argv[1]))
+""")
+
+
+def test_a_killed_workers_forkserver_directory_is_removed_by_the_next_one(tmp_path):
+    """Ray ends a worker with SIGKILL, and multiprocessing removes its pymp-* directory
+    only at a clean exit: each worker used to leave one behind in /tmp."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, "-c", FORKSERVER_HOST, "60"], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        mine = first.stdout.readline().strip()
+        assert mine == str(tmp_path / f"dpex-mp-{os.getuid()}" / str(first.pid))
+        assert os.path.isdir(mine)
+    finally:
+        first.kill()
+        first.wait(10)
+    assert os.path.isdir(mine)  # killed: nothing removed it
+    second = subprocess.run([sys.executable, "-c", FORKSERVER_HOST, "0"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert not os.path.exists(mine)  # the next start removed the dead one's
+    assert os.listdir(tmp_path / f"dpex-mp-{os.getuid()}") == []  # its own, at its exit
+    assert not list(tmp_path.glob("pymp-*"))

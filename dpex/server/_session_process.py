@@ -18,7 +18,11 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
+import shutil
+import stat
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -32,9 +36,47 @@ STOP_GRACE_S = 15.0  # the session's own clean-up waits 10 s at most for its fet
 
 
 def _context() -> Any:
+    config = multiprocessing.current_process()._config  # (where get_temp_dir() looks)
+    if config.get("tempdir") is None:
+        mine = _temp_dir()
+        if mine is not None:
+            config["tempdir"] = mine
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def _temp_dir() -> str | None:
+    """multiprocessing's temp directory for this process (the forkserver's socket lives
+    there): ``<tmp>/dpex-mp-<uid>/<pid>``. multiprocessing's own ``pymp-*`` is removed
+    only at a clean exit, and Ray ends its actors with SIGKILL, so each worker left one
+    behind; here each start removes those of processes that are gone. None (keep
+    multiprocessing's) when the base directory is not this user's own."""
+    base = os.path.join(tempfile.gettempdir(), f"dpex-mp-{os.getuid()}")
+    try:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        info = os.lstat(base)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return None  # someone else's (or a link): not ours to use or clean
+        for name in os.listdir(base):
+            if name.isdigit() and int(name) != os.getpid() and not _alive(int(name)):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        mine = os.path.join(base, str(os.getpid()))
+        os.makedirs(mine, mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(mine, True), exitpriority=-100)
+    return mine
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def prestart() -> None:
