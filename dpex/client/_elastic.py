@@ -68,15 +68,12 @@ class ElasticWorkers:
         thread's alone)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"scale_to() takes a worker count >= 1, got {n!r}")
-        if threading.get_ident() != self._training_thread:
-            if self._dataset_kind == _DatasetKind.Iterable:
-                raise ValueError("an IterableDataset's worker count is fixed: each worker "
-                                 "iterates its own shard")
-            self._scale_request = n
-            return
         if self._dataset_kind == _DatasetKind.Iterable:
             raise ValueError("an IterableDataset's worker count is fixed: each worker "
                              "iterates its own shard")
+        if threading.get_ident() != self._training_thread:
+            self._scale_request = n
+            return
         if self._runtime.closed:
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
         while self._sched.num_workers < n:

@@ -75,7 +75,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # another user's
+        pass  # another user's
     return True
 
 
