@@ -19,8 +19,10 @@ def node_address() -> str:
     """The address this process binds its data sockets on, for its workers to reach.
 
     ``$DPEX_ADVERTISE_ADDRESS`` when set (multi-homed hosts); loopback when this
-    process's node is the only node of the cluster (nothing needs to reach it from
-    outside); otherwise the Ray node's IP address.
+    process started the Ray instance itself (the embedded default) and it has one node,
+    so no worker can be placed elsewhere; otherwise the Ray node's IP address. A cluster
+    this process joined may gain nodes at any time (an autoscaler, ``ray start
+    --address``), and a worker placed on one of them could not dial loopback.
     """
     override = os.environ.get(ADVERTISE_ENV)
     if override:
@@ -32,9 +34,16 @@ def node_address() -> str:
             f"a Ray node: set {ADVERTISE_ENV} to an address of this machine that the "
             f"cluster's nodes can reach, and {PORT_RANGE_ENV} to ports open to them")
     me = ray.get_runtime_context().get_node_id()
-    if all(node["NodeID"] == me for node in ray.nodes() if node.get("Alive")):
+    if _started_here() and all(node["NodeID"] == me for node in ray.nodes() if node.get("Alive")):
         return "127.0.0.1"
     return ray.util.get_node_ip_address()
+
+
+def _started_here() -> bool:
+    """Whether this process started the Ray instance it is connected to (``ray.init()``
+    with no cluster to join): Ray then runs its head node for this process alone."""
+    node = getattr(ray._private.worker.global_worker, "node", None)
+    return bool(getattr(node, "head", False))
 
 
 def port_range() -> tuple[int, int]:

@@ -262,6 +262,20 @@ def test_under_ray_client_the_trainer_needs_an_address_the_cluster_can_reach(mon
     assert node_address() == "127.0.0.1"
 
 
+def test_loopback_only_on_the_ray_instance_this_process_started(ray_session, monkeypatch):
+    """Issue 25, item 9: a one-node cluster this process joined may gain nodes (an
+    autoscaler): a worker placed there could not dial 127.0.0.1, so bind the node's IP."""
+    import ray
+
+    from dpex._addresses import node_address
+
+    monkeypatch.delenv("DPEX_ADVERTISE_ADDRESS", raising=False)
+    assert node_address() == "127.0.0.1"  # the embedded default: nothing else can join
+    node = ray._private.worker.global_worker.node
+    monkeypatch.setattr(node, "head", False)  # as after ray.init(address=...) to one node
+    assert node_address() == ray.util.get_node_ip_address() != "127.0.0.1"
+
+
 def test_messages_for_a_worker_whose_connection_was_lost_wait_for_its_return(live_session):
     """A task sent while a worker's connection is gone (heartbeats closed it, a link
     cut) is held, not dropped, and goes out when the worker announces itself again."""
