@@ -316,6 +316,22 @@ def pids_alive(pids) -> list[int]:
     return alive
 
 
+class HangsInWorker0(Dataset):
+    """Worker 0 hangs (``hold`` s) on item ``at``; any other worker computes it at once."""
+
+    def __init__(self, at: int, hold: float = 600.0, n: int = 40) -> None:
+        self.at, self.hold, self.n = at, hold, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i == self.at and get_worker_info().id == 0:
+            time.sleep(self.hold)
+        time.sleep(0.01)
+        return torch.tensor(i)
+
+
 class BlocksWorker0(Dataset):
     """Worker 0's items wait until ``flag`` exists (60 s at most); other workers are fast."""
 

@@ -55,6 +55,28 @@ def test_the_last_batch_of_a_worker_lost_is_found_by_its_silence():
     assert stats["dropped"]["lost"] == 1, stats
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("at", [0, 9])  # its first batch (startup_timeout), or later
+def test_a_worker_hung_in_getitem_gets_no_more_tasks_and_is_replaced(at):
+    """Issue 25, item 6: with torch's timeout=0 (wait forever) the epoch still ends: one
+    silence moves the hung worker's tasks and stops giving it new ones, a second replaces
+    it. Before: it got a task in every round and each waited out the limit again, and a
+    hang in a first batch was never found."""
+    kw = {"batch_size": 2, "shuffle": False, "num_workers": 2}
+    dataset = dsets.HangsInWorker0(at, n=400)  # (the survivor alone: 4 s of epoch)
+    expected = [torch.arange(i, i + 2) for i in range(0, 400, 2)]
+    started = time.monotonic()
+    loader = DpexDataLoader(dataset, distribute_mode=True, timeout=0, lost_batch_timeout=2,
+                            startup_timeout=25, **kw)
+    it = iter(loader)
+    got = list(it)
+    took = time.monotonic() - started
+    stats = it.stats()
+    assert_same(expected, got, "epoch")
+    assert stats["dropped"]["suspended"] == 1 and stats["dropped"]["replaced_hung"] == 1, stats
+    assert took < 100, took  # limit 2 s (25 s for a first batch), twice, plus starts
+
+
 def test_an_iterable_shard_with_a_lost_batch_is_resumed_by_a_replacement_exactly(tmp_path):
     kw = {"batch_size": 2, "num_workers": 2,
           "worker_init_fn": functools.partial(dsets.lossy, victim=0, seqs=(4,),

@@ -495,3 +495,87 @@ def test_the_schedulers_memory_stays_flat_over_a_long_epoch(iterable):
     finally:
         tracemalloc.stop()
     assert grown < 64 * 1024, f"{grown:,} bytes more after 10,000 batches"
+
+
+def run_with_a_hung_worker(num_workers, hang_at, limit=1.0, batches=60, first=120.0):
+    """Issue 25, item 6, on a fake clock: worker 0 hangs on its ``hang_at``-th task (its
+    first incarnation only); the others take 10 ms a batch; the loop takes at once and
+    checks for silence every 0.5 s, as the iterator does."""
+    clock = Clock()
+    s = EpochScheduler(num_workers, 2, lost_timeout=limit, first_batch_timeout=first,
+                       clock=clock)
+    queues = [collections.deque() for _ in range(num_workers)]
+    inc, done, log = [0] * num_workers, [0] * num_workers, []
+
+    def apply(actions):
+        for a in actions:
+            log.append((clock.now, a))
+            if isinstance(a, SendTasks):
+                queues[a.worker_id].extend(a.tasks)
+            elif isinstance(a, KillWorker):
+                queues[a.worker_id].clear()
+                apply(s.exited(a.worker_id, inc[a.worker_id]))
+            elif isinstance(a, StartReplacement):
+                inc[a.worker_id] = a.incarnation
+                apply(s.ready(a.worker_id, {}))
+
+    draw = draw_from([[i] for i in range(batches)])
+    apply(s.start_epoch(draw))
+    for w in range(num_workers):
+        apply(s.ready(w, {}))
+    got, next_check = [], clock.now + 0.5
+    while clock.now < 10_000:
+        clock.now += 0.01
+        for w in range(num_workers):
+            hung = w == 0 and inc[0] == 0 and done[0] >= hang_at
+            if queues[w] and not hung:
+                seq, idx = queues[w].popleft()
+                done[w] += 1
+                apply(s.results([msg(1, seq, w, payload=idx, inc=inc[w])]))
+        if clock.now >= next_check:
+            next_check = clock.now + 0.5
+            apply(s.check_lost())
+        while True:
+            item, actions = s.take(draw)
+            apply(actions)
+            if item is EPOCH_END:
+                return got, clock.now - 1000.0, log, s
+            if item is None:
+                break
+            got.append(item.payload)
+    raise AssertionError(f"the epoch did not end: {len(got)} batches, {s.counters}")
+
+
+@pytest.mark.parametrize("hang_at", [0, 3])  # on its first batch, or later
+def test_a_hung_map_worker_gets_no_new_task_after_one_silence_and_is_replaced_after_two(
+        hang_at):
+    got, took, log, s = run_with_a_hung_worker(2, hang_at, batches=600,
+                                               first=1.0 if not hang_at else 120.0)
+    assert got == [[i] for i in range(600)]
+    # One silence (1 s) moves its tasks, a second (1 s) replaces it, each seen at the next
+    # 0.5 s check; the survivor alone takes 6 s. Before: worker 0 got a task in every
+    # round and each waited out the limit again (600 batches: about 300 s).
+    assert took < 8.0, took
+    assert s.counters["suspended"] == 1 and s.counters["replaced_hung"] == 1
+    suspended_at = next(t for t, a in log if isinstance(a, SendTasks) and a.worker_id == 1
+                        and any(seq % 2 == 0 for seq, _ in a.tasks) and t > 1000.5)
+    kill_at = next(t for t, a in log if isinstance(a, KillWorker))
+    assert 0.9 < kill_at - suspended_at < 1.6
+    assert not [a for t, a in log if isinstance(a, SendTasks) and a.worker_id == 0
+                and suspended_at <= t < kill_at]
+
+
+def test_a_hang_on_a_first_batch_waits_for_the_startup_limit_not_the_lost_one():
+    got, took, _, s = run_with_a_hung_worker(2, 0, batches=600, first=20.0)
+    assert got == [[i] for i in range(600)]
+    # The in-order loop waits for slot 0 until startup_timeout (20 s), not the 1 s
+    # lost-batch limit (loading counts); then 6 s of the survivor's work. Before: a
+    # first batch was never judged, and the epoch never ended.
+    assert 20.0 < took < 30.0, took
+    assert s.counters["suspended"] == 1 and s.counters["replaced_hung"] == 1
+
+
+def test_a_lone_hung_worker_is_replaced_and_the_epoch_ends():
+    got, took, _, s = run_with_a_hung_worker(1, 5)
+    assert got == [[i] for i in range(60)] and took < 4.0
+    assert s.counters["replaced_hung"] == 1

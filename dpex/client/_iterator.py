@@ -230,7 +230,8 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
             iterable=self._dataset_kind == _DatasetKind.Iterable,
             max_restarts=config.max_worker_restarts, lost_timeout=config.lost_batch_timeout,
             lost_floor=_LOST_FLOOR_ITERABLE_S if self._dataset_kind == _DatasetKind.Iterable
-            else _LOST_FLOOR_S)
+            else _LOST_FLOOR_S,
+            first_batch_timeout=config.startup_timeout)  # (its loading counts)
         self._lost_check_at = time.monotonic() + _LOST_CHECK_S
         self._added_at: dict[int, float] = {}
         self._waited_total, self._taken_total = 0.0, 0  # over the iterator's life

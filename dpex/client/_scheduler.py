@@ -126,6 +126,7 @@ class EpochScheduler:
     def __init__(self, num_workers: int, prefetch_factor: int, *, in_order: bool = True,
                  iterable: bool = False, max_restarts: int = 3,
                  lost_timeout: float | None = None, lost_floor: float = 10.0,
+                 first_batch_timeout: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if prefetch_factor * num_workers < 1:
             raise ValueError("credit window capacity must be >= 1, got "
@@ -137,7 +138,8 @@ class EpochScheduler:
         self.workers = WorkerTable(num_workers)
         self.ledger = TaskLedger(num_workers)
         self.buffer = OrderingBuffer(in_order)
-        self.losses = LossWatch(num_workers, lost_timeout, lost_floor, clock)
+        self.losses = LossWatch(num_workers, lost_timeout, lost_floor, clock,
+                                first_limit=first_batch_timeout)
         self.counters: collections.Counter[str] = collections.Counter()
         self.recoveries: list[dict] = []  # one per restart: when reported, when ready
         self.epoch = 0
@@ -158,8 +160,9 @@ class EpochScheduler:
 
     @property
     def num_workers(self) -> int:
-        """The workers that take tasks now (the ids run higher once some retired)."""
-        return len(self.workers.accepting())
+        """The workers that take tasks now (the ids run higher once some retired); a
+        suspended one counts: its credits serve the others until it is heard or replaced."""
+        return sum(not (r.retiring or r.gone) for r in self.workers.records)
 
     @property
     def capacity(self) -> int:
@@ -283,11 +286,9 @@ class EpochScheduler:
             return
         now = self.clock()
         for w, tasks in self._unsent.items():
-            idle = self._starving(w)
             for seq, _ in tasks:
-                self.losses.sent(seq, w if idle else None)
+                self.losses.sent(seq)
                 self._sent_at[seq] = now
-                idle = False
             self._out.append(SendTasks(w, self.epoch, tasks))
         self._unsent = {}
 
@@ -364,6 +365,10 @@ class EpochScheduler:
         if msg.incarnation != self.workers[msg.worker_id].incarnation:
             self.counters["stale_incarnation"] += 1  # sent late by a replaced worker
             return
+        sender = self.workers[msg.worker_id]
+        if sender.suspended:  # it was only slow: it takes tasks again
+            sender.suspended = False
+            self.losses.heard(msg.worker_id)
         # (A map-style batch given to another worker may come from its first owner: the
         # same batch, and the first copy to arrive counts.)
         fresh = self.ledger.received(msg.seq)
@@ -436,7 +441,7 @@ class EpochScheduler:
         result has not arrived (map-style: the survivors take them at once)."""
         rec = self.workers[w]
         rec.incarnation += 1
-        rec.info = None
+        rec.info, rec.suspended = None, False
         self._unqueue(w)  # they are among its outstanding tasks, re-routed below
         self.counters["restarted"] += 1
         self.losses.replaced(w)
@@ -490,7 +495,8 @@ class EpochScheduler:
         rec = self.workers[worker_id] if worker_id is not None else max(
             accepting, key=lambda r: (r.added, not r.ready, r.id))
         if not rec.accepting:
-            raise ValueError(f"worker {rec.id} is retiring or gone already")
+            raise ValueError(f"worker {rec.id} is retiring, gone or suspended (silent past "
+                             "the lost-batch limit)")
         rec.retiring = True
         self.counters["retired"] += 1
         queued = {seq for seq, _ in self._unsent.pop(rec.id, [])}
@@ -506,7 +512,9 @@ class EpochScheduler:
         return self._actions()
 
     def _least_held(self, exclude: int) -> int:
-        others = [r for r in self.workers.accepting() if r.id != exclude and r.active]
+        others = [r for r in self.workers.accepting() if r.id != exclude and r.active] or [
+            r for r in self.workers.live()  # (all suspended: one of them, not none)
+            if r.id != exclude and r.active and not r.retiring]
         ready = [r for r in others if r.ready] or others
         return min(ready, key=lambda r: self.ledger.held(r.id)).id
 
@@ -527,14 +535,28 @@ class EpochScheduler:
 
     def check_lost(self) -> list[Any]:
         """A worker that holds tasks and has sent nothing for the lost-batch limit lost
-        them (a frame or task dropped with a connection): compute them again."""
+        them (a frame or task dropped with a connection) or hangs: they are computed
+        again, and a map-style worker takes no new task until it sends a result. Silent
+        for another limit after that, it hangs (stuck in ``__getitem__``): it is killed
+        and replaced. (An idle worker's silence says nothing.)"""
         self._flush()  # (what is queued here was never sent, so never lost)
-        silent = self.losses.silent(self.workers.ready_infos())
-        # (An idle worker's silence says nothing; one that held tasks is avoided below.)
-        lost = {w: tasks for w in silent if (tasks := self.ledger.outstanding(w))}
+        busy = {w: [seq for seq, _ in self.ledger.outstanding(w)]
+                for w in self.workers.ready_infos() if self.ledger.pending(w)}
+        silent = self.losses.silent(busy)
+        lost = {w: self.ledger.outstanding(w) for w in silent}
+        for w in silent:
+            if not self.iterable:
+                self.workers[w].suspended = True
+                self.counters["suspended"] += 1
         for w, tasks in lost.items():
             self.counters["lost"] += len(tasks)
             self._recompute(w, tasks, avoid=set(lost))
+        for w in self.losses.hung():
+            rec = self.workers[w]
+            if self.iterable or not rec.suspended or rec.gone:
+                continue  # (an IterableDataset's silent worker was killed at once)
+            self.counters["replaced_hung"] += 1
+            self._out.append(KillWorker(w))
         self._stop_drained()
         return self._actions()
 

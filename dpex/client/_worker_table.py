@@ -65,6 +65,8 @@ class WorkerRecord:
     retiring: bool = False  # takes no new task; stopped once it holds none
     gone: bool = False  # retired (or its start given up): no longer one of the workers
     moves: int = 0  # replacements after its fleet worker ended the session (not deaths)
+    suspended: bool = False  # silent past the lost-batch limit: no new task until it
+    # sends a result; silent for another limit, it is replaced (it hangs)
 
     @property
     def ready(self) -> bool:
@@ -78,8 +80,9 @@ class WorkerRecord:
 
     @property
     def accepting(self) -> bool:
-        """One of the workers that new tasks may go to (not retiring nor gone)."""
-        return not (self.retiring or self.gone)
+        """One of the workers that new tasks may go to (not retiring, gone nor
+        suspended)."""
+        return not (self.retiring or self.gone or self.suspended)
 
 
 class WorkerTable:
