@@ -40,7 +40,8 @@ exception in the batch's slot) and ``END`` (an IterableDataset worker is
 exhausted; the task's slot holds no batch).
 
 Control plane (trainer ROUTER ⇄ worker DEALER): ``HELLO`` (worker → trainer,
-once, carries versions and placement), ``TASKS`` (a list of ``(seq, indices)``),
+once, carries versions and placement), ``TASKS`` (``(tasks, marks)``: a list of ``(seq, indices)`` and the RESUME and SKIP
+sent to the worker this epoch, see :mod:`dpex._epoch_marks`),
 ``RESUME`` (start epoch ``epoch`` on persistent workers), ``SKIP`` (a replacement
 worker passes over the first ``payload`` batches of its IterableDataset shard,
 which its predecessor already delivered), ``RNG_QUERY`` (the worker's RNG states right after it computed batch ``payload``
@@ -81,7 +82,7 @@ __all__ = [
     "worker_identity",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 _HEADER = struct.Struct("<BB16sIqHIIq")
 HEADER_SIZE = _HEADER.size
 MAC_SIZE = 16

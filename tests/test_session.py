@@ -66,7 +66,7 @@ async def test_tasks_wait_for_hello_then_batches_reach_the_handoff(session, fake
     hello = await next_event(session.handoff)
     assert isinstance(hello, WorkerHello) and hello.worker_id == 0
     task = WIRE.decode(await asyncio.wait_for(ctrl.recv_multipart(), 5))
-    assert task.kind is Kind.TASKS and task.payload == [(0, [4, 5])]
+    assert task.kind is Kind.TASKS and task.payload == ([(0, [4, 5])], None)
     await data.send_multipart(encode_data(WIRE, 1, 0, 0, torch.tensor([4, 5])), copy=False)
     [msg] = await next_event(session.handoff)  # data messages come as a list
     assert isinstance(msg, Message) and torch.equal(msg.payload, torch.tensor([4, 5]))
@@ -260,7 +260,7 @@ async def test_tasks_over_max_message_bytes_are_split_and_one_alone_too_big_is_a
         got, messages = [], 0
         while len(got) < len(tasks):
             msg = sess.wire.decode(await asyncio.wait_for(ctrl.recv_multipart(), 5))
-            got += msg.payload
+            got += msg.payload[0]
             messages += 1
         assert got == tasks and 2 < messages < len(tasks)
         with pytest.raises(ProtocolError, match="indices of batch 9 .*max_message_bytes"):

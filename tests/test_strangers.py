@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 from attackers import rss_bytes, zmtp_flood
 
+from dpex._epoch_marks import AppliedMarks
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Wire, worker_identity
 from dpex._security import AUTHENTICATED, ENCRYPTED, ControlFreshness, SessionKeys
@@ -127,7 +128,7 @@ def test_a_stranger_cannot_claim_a_workers_route(live_session):
         loop.call_soon(sess.send_tasks, 0, 1, [(0, [1, 2])])
         assert ctrl.poll(5000), "the task went to someone else"
         task = sess.wire.decode(ctrl.recv_multipart())
-        assert task.kind is Kind.TASKS and task.payload == [(0, [1, 2])]
+        assert task.kind is Kind.TASKS and task.payload == ([(0, [1, 2])], None)
         assert not any(s.poll(200) for s in strangers)
         assert loop.run(sess.snapshot(), 5)["rejected"]["handshake"] >= 3
     finally:
@@ -185,14 +186,15 @@ async def test_a_replayed_or_reordered_control_message_is_rejected_and_counted()
     await asyncio.wait_for(router.recv_multipart(), 5)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     spec = type("Spec", (), {"wire": wire})
-    session = type("Session", (), {"epoch_floor": 0, "stop": asyncio.Event()})()
+    session = type("Session", (), {"epoch_floor": 0, "stop": asyncio.Event(),
+                                   "marks": AppliedMarks()})()
     reader = asyncio.ensure_future(worker._read_control(dealer, spec, inbox, session))
     try:
-        first = wire.encode(Kind.TASKS, 1, 0, 0, [(0, [0, 1])])
-        second = wire.encode(Kind.TASKS, 1, 1, 0, [(1, [2, 3])])
+        first = wire.encode(Kind.TASKS, 1, 0, 0, ([(0, [0, 1])], None))
+        second = wire.encode(Kind.TASKS, 1, 1, 0, ([(1, [2, 3])], None))
         for frames in (first, second, first, second):  # replays of both
             await router.send_multipart([b"w", *frames])
-        await router.send_multipart([b"w", *wire.encode(Kind.TASKS, 1, 2, 0, [(2, [4])])])
+        await router.send_multipart([b"w", *wire.encode(Kind.TASKS, 1, 2, 0, ([(2, [4])], None))])
         got = []
         while len(got) < 3:
             got.append(await asyncio.to_thread(inbox.get, timeout=5))
@@ -293,7 +295,7 @@ def test_messages_for_a_worker_whose_connection_was_lost_wait_for_its_return(liv
         back, _ = genuine_worker(sess, ctx)  # reconnects, same identity, HELLO again
         assert back.poll(5000), "the held task never came"
         task = sess.wire.decode(back.recv_multipart())
-        assert task.kind is Kind.TASKS and task.payload == [(7, [7])]
+        assert task.kind is Kind.TASKS and task.payload == ([(7, [7])], None)
     finally:
         ctx.destroy(0)
 

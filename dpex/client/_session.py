@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from dpex._addresses import port_range
+from dpex._epoch_marks import SentMarks
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
 from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
@@ -88,6 +89,7 @@ class TrainerSession:
         self._pending: dict[int, list[list[bytes]]] = collections.defaultdict(list)
         # Control messages are numbered per worker incarnation (a replay is rejected).
         self._ctrl_seq: dict[int, itertools.count] = collections.defaultdict(itertools.count)
+        self._marks = SentMarks()  # this epoch's RESUME / SKIP, repeated with each TASKS
         self._tasks: list[asyncio.Task] = []
         self.data_address = ""
         self.control_address = ""
@@ -250,6 +252,7 @@ class TrainerSession:
         self._ready.discard(worker_id)
         self._pending.pop(worker_id, None)
         self._ctrl_seq.pop(worker_id, None)
+        self._marks.replaced(worker_id)
 
     def forget(self, worker_id: int) -> None:
         """A retired worker: no more pings, nothing held for it."""
@@ -277,6 +280,10 @@ class TrainerSession:
 
     def send(self, worker_id: int, kind: Kind, epoch: int, payload: Any = None) -> None:
         """Send a control message to one worker, queued until its HELLO arrives."""
+        if kind is Kind.RESUME:
+            self._marks.resume(worker_id, epoch, payload)
+        elif kind is Kind.SKIP:
+            self._marks.skip(worker_id, epoch, payload)
         self._deliver(worker_id, self._encode(worker_id, kind, epoch, payload))
 
     def _encode(self, worker_id: int, kind: Kind, epoch: int, payload: Any) -> list[bytes]:
@@ -301,7 +308,7 @@ class TrainerSession:
         """Send tasks in as few messages as ``max_message_bytes`` allows. Raises
         :class:`ProtocolError` (``too-large``) for a task over the limit on its own: the
         worker would drop it unseen."""
-        frames = self._encode(worker_id, Kind.TASKS, epoch, tasks)
+        frames = self._encode(worker_id, Kind.TASKS, epoch, (tasks, self._marks.of(worker_id)))
         if len(frames[2]) <= self.wire.max_message_bytes:
             self._deliver(worker_id, frames)
         elif len(tasks) > 1:

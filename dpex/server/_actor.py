@@ -22,6 +22,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from dpex._addresses import ADVERTISE_ENV, PORT_RANGE_ENV
+from dpex._epoch_marks import AppliedMarks
 from dpex._protocol import Kind, ProtocolError, worker_identity
 from dpex._security import ControlFreshness, connect_promptly
 from dpex._shm import RingUnavailable, WorkerRing
@@ -79,6 +80,7 @@ class _Session:
     def __init__(self) -> None:
         self.stop = asyncio.Event()
         self.epoch_floor = 0  # tasks of earlier epochs (abandoned) are skipped
+        self.marks = AppliedMarks()  # RESUME / SKIP applied (once each, however they came)
         self.runner: TaskRunner | None = None  # set by the compute thread once loaded
         self.answers: set[asyncio.Task] = set()  # RNG_QUERY answers being prepared
 
@@ -359,13 +361,21 @@ class DpexWorker:
                 self._count_rejected()
                 continue
             if msg.kind is Kind.TASKS:
-                for seq, indices in msg.payload:
+                tasks, marks = msg.payload
+                # A RESUME or SKIP lost with a connection comes with the tasks that need it.
+                for mark, payload, epoch in session.marks.repair(marks):
+                    if mark == "resume":
+                        session.epoch_floor = epoch
+                    inbox.put((_RESUME if mark == "resume" else _SKIP, payload, epoch))
+                for seq, indices in tasks:
                     inbox.put((msg.epoch, seq, indices))
             elif msg.kind is Kind.RESUME:
-                session.epoch_floor = msg.epoch  # tasks of earlier epochs are skipped
-                inbox.put((_RESUME, msg.payload, msg.epoch))
+                if session.marks.resume(msg.epoch):
+                    session.epoch_floor = msg.epoch  # tasks of earlier epochs are skipped
+                    inbox.put((_RESUME, msg.payload, msg.epoch))
             elif msg.kind is Kind.SKIP:
-                inbox.put((_SKIP, msg.payload, msg.epoch))
+                if session.marks.skip(msg.epoch, msg.payload):
+                    inbox.put((_SKIP, msg.payload, msg.epoch))
             elif msg.kind is Kind.RNG_QUERY:
                 answer = asyncio.ensure_future(
                     self._answer_rng(ctrl, spec, session, msg.epoch, msg.payload))
