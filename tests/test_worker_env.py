@@ -216,3 +216,17 @@ def test_entering_a_sessions_state_undoes_one_left_over(monkeypatch, tmp_path):
     leave_trainer_state()
     assert BEFORE_ENV not in os.environ
     assert enter_trainer_state(b"plain pickle") == b"plain pickle"
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(300)
+def test_dpex_shm_ring_0_in_the_trainers_environment_sends_every_batch_by_socket(monkeypatch):
+    """Issue 25, item 19, end to end: on a node where tenants share a uid the rings are
+    turned off by the environment, for every loader (the workers share this node)."""
+    monkeypatch.setenv("DPEX_SHM_RING", "0")
+    with DpexDataLoader(EnvReader(), num_workers=2, batch_size=2,
+                        distribute_mode=True) as loader:
+        assert len(list(loader)) == 2
+        stats = loader.stats()
+    assert stats["received_in_ring"] == 0 and stats["received"] == 2
+    assert all(w["transport"].startswith("socket") for w in stats["workers"].values())
