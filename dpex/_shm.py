@@ -21,6 +21,14 @@ garbage. The worker allocates next-fit around the regions still busy: alive in
 the worker, or referred to by a ticket not freed yet. So neither side's tensors
 are ever overwritten, and a tensor the training loop keeps (say, a batch's
 labels) only takes its own region out of use, not its batch's or the ring's.
+
+Who can read a ring: any process that may open ``/proc/<trainer pid>/fd/<n>``, that
+is, of the trainer's uid (or root). That is a read-mode ptrace check, which Yama's
+``ptrace_scope`` (1 or 2) does not restrict, although it stops the same process from
+attaching a debugger; so on a node where tenants share a uid, each can read and
+alter the others' batches in their rings. ``DPEX_SHM_RING=0`` in the environment of
+the trainer or of the node's Ray workers turns the rings off there (:func:`rings_off`):
+batches then take the authenticated socket, as from other nodes.
 """
 
 from __future__ import annotations
@@ -40,8 +48,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["RingRef", "TrainerRing", "WorkerRing", "RingUnavailable", "DEFAULT_RING_BYTES",
-           "INLINE", "collating_into", "pack_descriptor", "split_descriptor"]
+__all__ = ["RingRef", "TrainerRing", "WorkerRing", "RingUnavailable", "RingsOff",
+           "DEFAULT_RING_BYTES", "INLINE", "RING_ENV", "rings_off", "collating_into",
+           "pack_descriptor", "split_descriptor"]
+
+RING_ENV = "DPEX_SHM_RING"  # "0": no same-node rings in this process (see above)
 
 DEFAULT_RING_BYTES = 64 << 20
 # Below this many bytes a buffer that is not in the ring already goes inline: the
@@ -60,6 +71,21 @@ _EXTENT = struct.Struct("<QQQ")  # offset in the ring (or INLINE), size, ticket
 
 class RingUnavailable(Exception):
     """This worker cannot use the trainer's ring; ``str()`` says why (it sends inline)."""
+
+
+class RingsOff(RingUnavailable, OSError):
+    """Rings are turned off in this process (``DPEX_SHM_RING=0``). Also an ``OSError``:
+    the trainer treats it as a node without memfd, and that worker uses the socket."""
+
+
+def rings_off(environ: dict | None = None) -> str | None:
+    """Why this process must not use a same-node ring (``DPEX_SHM_RING=0``, for nodes
+    where tenants share a uid), or ``None``."""
+    value = (os.environ if environ is None else environ).get(RING_ENV, "").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return (f"{RING_ENV}={value} here: same-node rings are off (any process of this "
+                "uid could open them)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -101,6 +127,9 @@ class TrainerRing:
     """
 
     def __init__(self, ring_id: int, capacity: int, node_id: str, worker_id: int = 0) -> None:
+        off = rings_off()
+        if off is not None:
+            raise RingsOff(off)
         self.capacity = capacity
         self.worker_id = worker_id  # the only worker whose messages may refer to it
         self.retired = False  # its worker was replaced: late messages are dropped
@@ -204,6 +233,9 @@ class WorkerRing:
     """The worker's end: maps the trainer's memfd and allocates from it. One thread."""
 
     def __init__(self, ref: RingRef, node_id: str) -> None:
+        off = rings_off()
+        if off is not None:  # the node's operator turned them off: not the trainer's choice
+            raise RingsOff(off)
         if ref.node_id != node_id:
             raise RingUnavailable("the worker runs on another Ray node than the trainer")
         try:

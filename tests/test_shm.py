@@ -266,3 +266,31 @@ def test_tensors_kept_after_close_hold_their_pages_not_the_whole_ring():
         assert all(int(k[0]) == i for i, k in enumerate(kept))  # the kept ones still read
     finally:
         os.close(probe)
+
+
+@pytest.mark.parametrize("side", ["trainer", "worker"])
+def test_dpex_shm_ring_0_turns_the_ring_off_so_batches_take_the_socket(side, monkeypatch):
+    """For nodes where tenants share a uid (issue 25, item 19): any process of the uid can
+    open a ring through /proc/<pid>/fd. DPEX_SHM_RING=0 in the trainer's environment means
+    it offers no ring (the iterator's worker gets none and uses the socket); in a worker's
+    (the node's Ray workers), it maps none and says why."""
+    from types import SimpleNamespace
+
+    from dpex.client._iterator import RayDataLoaderIter
+
+    ready = TrainerRing(0, 1 << 20, NODE)  # offered before the variable was set
+    monkeypatch.setenv("DPEX_SHM_RING", "0")
+    if side == "trainer":
+        with pytest.raises(OSError, match="DPEX_SHM_RING=0"):
+            TrainerRing(1, 1 << 20, NODE)
+        iterator = SimpleNamespace(
+            _ring_bytes=1 << 20, _node_id=NODE,
+            _session=SimpleNamespace(new_ring=lambda c, n, w: TrainerRing(0, c, n, w).ref))
+        assert RayDataLoaderIter._new_ring(iterator, 0) is None
+        assert not [link for link in _memfds() if f"-{os.getpid()}-1" in link]
+    else:
+        with pytest.raises(RingUnavailable, match="DPEX_SHM_RING=0"):
+            WorkerRing(ready.ref, NODE)
+    monkeypatch.setenv("DPEX_SHM_RING", "1")
+    WorkerRing(ready.ref, NODE).close()  # any other value leaves them on
+    ready.close()

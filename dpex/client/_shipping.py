@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from typing import Any
 
 import cloudpickle
 
+from dpex._process_state import TrainerState, capture, wrap
 from dpex._ray_connect import ray_handle_reducer
 from dpex._spec import ShippedLoader
 from dpex.errors import DatasetNotPicklableError
@@ -83,20 +85,35 @@ def _spawned_script_by_value() -> Iterator[None]:
             cloudpickle.unregister_pickle_by_value(script)
 
 
-def ship_loader(shipped: ShippedLoader) -> bytes:
-    """Cloudpickle ``shipped``; raise :class:`DatasetNotPicklableError` naming the culprit."""
+# What cannot be pickled because it is a live handle on something of this process: an
+# open file, a database connection, a socket, a lock, a thread, an h5py/zarr store.
+_HANDLE_FIX = (
+    " If it is an open handle (a file, a database connection, a socket, a lock), do as "
+    "for torch's workers under the 'spawn' start method: drop it in the class's "
+    "__getstate__ (state = self.__dict__.copy(); state['{attr}'] = None; return state) "
+    "and open it again in __setstate__, or open it lazily on first use in the worker "
+    "(in __getitem__ / __iter__, or in a worker_init_fn)")
+
+
+def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None) -> bytes:
+    """Cloudpickle ``shipped``, with this process's state (``state``, else captured now:
+    at ``iter()``) in front for the workers to apply before they unpickle it; raise
+    :class:`DatasetNotPicklableError` naming the culprit and how to make it travel."""
     try:
         with _spawned_script_by_value():
-            return _dumps(shipped)
+            loader_bytes = _dumps(shipped)
     except Exception as exc:
         for name in ("dataset", "collate_fn", "worker_init_fn"):
             obj = getattr(shipped, name)
             found = find_unpicklable(obj, name)
             if found is not None:
                 path, error = found
+                below = re.match(r"[^.\[]+\.([A-Za-z_]\w*)", path)  # dataset.<attr>...
+                attr = below.group(1) if below else "<the attribute>"
                 raise DatasetNotPicklableError(
                     f"the {name} ({type(obj).__module__}.{type(obj).__qualname__}) cannot be "
                     f"sent to the dpex workers: {path} cannot be pickled "
-                    f"({type(error).__name__}: {error})"
+                    f"({type(error).__name__}: {error})." + _HANDLE_FIX.format(attr=attr)
                 ) from exc
         raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc
+    return wrap(capture() if state is None else state, loader_bytes)

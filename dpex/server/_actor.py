@@ -31,6 +31,7 @@ from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
 from dpex.server._session_process import SessionProcess, prestart
 from dpex.server._task_runner import TaskRunner
+from dpex.server._trainer_state import leave_trainer_state
 
 __all__ = ["DpexWorker"]
 
@@ -281,6 +282,7 @@ class DpexWorker:
             inbox.put(None)
             if compute.is_alive():
                 await loop.run_in_executor(None, compute.join, 10.0)
+            leave_trainer_state()  # the node's own directory and env again
             if watcher is not None:
                 watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)

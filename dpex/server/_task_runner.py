@@ -31,6 +31,7 @@ from dpex._shm import WorkerRing, collating_into
 from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
+from dpex.server._trainer_state import enter_trainer_state
 
 __all__ = ["TaskRunner", "batch_seed", "seed_batch"]
 
@@ -128,6 +129,7 @@ def restore_rng(state: dict) -> None:
 
 
 def _load(shipped: bytes) -> ShippedLoader:
+    shipped = enter_trainer_state(shipped)  # the trainer's directory and env first
     try:
         return cloudpickle.loads(shipped)
     except ModuleNotFoundError as exc:

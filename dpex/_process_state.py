@@ -1,0 +1,136 @@
+"""The trainer's process state that travels to its workers, as torch's workers inherit
+it: the working directory, and the environment variables the trainer's program changed.
+
+torch's workers are forks (or spawns) of the trainer at ``iter()``: they see its
+directory and its whole environment. dpex's workers are Ray's processes, started with
+the environment Ray had, on nodes that may be other machines. Shipping the trainer's
+whole environment would overwrite what differs by node for good reasons (``PATH``,
+``HOME``, library paths, the devices Ray gave the worker), so what travels is the
+*difference*: each variable the trainer's program set, changed or removed since the
+process started (its initial environment, ``/proc/self/environ``; where that cannot be
+read, the environment when dpex was imported). Variables Ray sets per process
+(``RAY_*``, ``PYTHONBREAKPOINT``, the accelerators it assigned) never travel.
+
+``DPEX_SHIP_ENV=0`` in the trainer's environment ships no variables (the directory
+still travels). Module globals never travel: see README, "What a worker sees".
+
+Pure apart from reading the process's own state in :func:`capture`; the worker side
+(applying and undoing it) is :mod:`dpex.server._trainer_state`. The state travels in
+front of the pickled loader (:func:`wrap` / :func:`unwrap`), as JSON: it must be
+applied before the dataset is unpickled, and it is never itself unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["TrainerState", "capture", "environment_changes", "initial_environment",
+           "wrap", "unwrap", "SHIP_ENV", "shipped_variable"]
+
+SHIP_ENV = "DPEX_SHIP_ENV"  # "0": ship no environment variables
+# Set by Ray in each process (the driver's differ from a worker's), or the shell's
+# bookkeeping of a directory that travels on its own.
+_NEVER_PREFIXES = ("RAY_",)
+_NEVER = frozenset({
+    "PYTHONBREAKPOINT", "PWD", "OLDPWD",
+    "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+    "NEURON_RT_VISIBLE_CORES", "TPU_VISIBLE_CHIPS", "ONEAPI_DEVICE_SELECTOR",
+    "HABANA_VISIBLE_MODULES",
+})
+_MAGIC = b"DPEXPS1\0"  # never the start of a pickle (those begin with b"\x80")
+_LENGTH = struct.Struct("<I")
+
+
+def shipped_variable(name: str) -> bool:
+    """Whether a variable of this name may travel (Ray's per-process ones never do)."""
+    return name not in _NEVER and not name.startswith(_NEVER_PREFIXES)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The trainer's working directory and its environment changes, as of ``iter()``."""
+
+    cwd: str | None = None
+    set_env: Mapping[str, str] = field(default_factory=dict)  # name -> value
+    unset_env: tuple[str, ...] = ()  # removed by the trainer since it started
+
+    @property
+    def empty(self) -> bool:
+        return self.cwd is None and not self.set_env and not self.unset_env
+
+
+def _read_initial_environment() -> dict[str, str] | None:
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    env: dict[str, str] = {}
+    for entry in raw.split(b"\0"):
+        name, sep, value = entry.partition(b"=")
+        if sep and name:
+            env[os.fsdecode(name)] = os.fsdecode(value)
+    return env
+
+
+# Where /proc is not there (macOS): the environment when dpex was imported.
+_AT_IMPORT = dict(os.environ)
+_INITIAL = _read_initial_environment()
+
+
+def initial_environment() -> dict[str, str]:
+    """The environment this process started with (``/proc/self/environ``), or, where
+    that cannot be read, the one it had when dpex was imported."""
+    return dict(_INITIAL if _INITIAL is not None else _AT_IMPORT)
+
+
+def environment_changes(now: Mapping[str, str], before: Mapping[str, str]
+                        ) -> tuple[dict[str, str], tuple[str, ...]]:
+    """What changed from ``before`` to ``now``: (set or changed, removed), leaving out
+    the variables that never travel (:func:`shipped_variable`). Sorted, so the same
+    changes give the same bytes (the loader reuses a shipped object by its digest)."""
+    changed = {k: now[k] for k in sorted(now) if before.get(k) != now[k] and shipped_variable(k)}
+    removed = tuple(k for k in sorted(before) if k not in now and shipped_variable(k))
+    return changed, removed
+
+
+def capture(environ: Mapping[str, str] | None = None, before: Mapping[str, str] | None = None,
+            cwd: str | None = None) -> TrainerState:
+    """This process's state to give its workers: its directory and what its program
+    changed in the environment (nothing with ``DPEX_SHIP_ENV=0``)."""
+    environ = os.environ if environ is None else environ
+    if cwd is None:
+        try:
+            cwd = os.getcwd()
+        except OSError:  # the directory was removed under the trainer
+            cwd = None
+    if environ.get(SHIP_ENV, "1").strip() == "0":
+        return TrainerState(cwd=cwd)
+    changed, removed = environment_changes(
+        environ, initial_environment() if before is None else before)
+    return TrainerState(cwd=cwd, set_env=changed, unset_env=removed)
+
+
+def wrap(state: TrainerState, loader_bytes: bytes) -> bytes:
+    """``loader_bytes`` with ``state`` in front (what a worker is shipped)."""
+    head = json.dumps({"cwd": state.cwd, "set": dict(state.set_env),
+                       "unset": list(state.unset_env)}).encode()
+    return _MAGIC + _LENGTH.pack(len(head)) + head + loader_bytes
+
+
+def unwrap(shipped: bytes) -> tuple[TrainerState | None, bytes | memoryview]:
+    """(the trainer's state, the loader's pickle: a view, not a copy); ``None`` for
+    bytes that carry no state (a loader pickled directly, as tests do)."""
+    view = memoryview(shipped)
+    if bytes(view[:len(_MAGIC)]) != _MAGIC:
+        return None, shipped
+    at = len(_MAGIC) + _LENGTH.size
+    (n,) = _LENGTH.unpack_from(view, len(_MAGIC))
+    head = json.loads(bytes(view[at:at + n]))
+    state = TrainerState(cwd=head["cwd"], set_env=dict(head["set"]),
+                         unset_env=tuple(head["unset"]))
+    return state, view[at + n:]
