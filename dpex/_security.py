@@ -125,18 +125,30 @@ class SessionKeys:
 HEARTBEAT_ENV = "DPEX_HEARTBEAT_TIMEOUT_S"
 
 
-def keep_alive(sock: zmq.Socket) -> None:
+def keep_alive(sock: zmq.Socket, *, receives_data: bool = False) -> None:
     """ZeroMQ heartbeats on a trainer socket: a connection silent for the timeout
-    (``$DPEX_HEARTBEAT_TIMEOUT_S``, default 20 s) is closed on both ends, so the worker
-    reconnects instead of waiting on a dead flow (a NAT that dropped it, a cut link).
-    What was queued in it is lost: the iterator's lost-batch rules recompute it."""
+    (``$DPEX_HEARTBEAT_TIMEOUT_S``, default 20 s) is closed, so the worker reconnects
+    instead of waiting on a dead flow (a NAT that dropped it, a cut link). What was
+    queued in it is lost: the iterator's lost-batch rules recompute it.
+
+    On the data socket (``receives_data``) only the worker's end judges: the trainer
+    pings and the worker closes the connection when the pings stop coming (their TTL),
+    but the trainer never waits for the answer. libzmq restarts that wait only when a
+    whole frame has arrived, and the worker's answer queues behind the batch frame it
+    is sending: a frame slower to cross than the timeout (a large batch, a slow link)
+    was cut every time, recomputed and cut again. Pings to the worker are never queued
+    behind data (nothing else flows that way), so its judgement stays prompt."""
     timeout_s = float(os.environ.get(HEARTBEAT_ENV) or 20.0)
     if not timeout_s > 0:
         raise ValueError(f"{HEARTBEAT_ENV} must be a number of seconds > 0")
     ms = int(timeout_s * 1000)
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, ms // 4))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, ms)  # the worker's end closes it too
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _NEVER_MS if receives_data else ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(ms, _TTL_MAX_MS))  # the worker's end judges
+
+
+_NEVER_MS = 2**31 - 1  # libzmq's option is a C int of milliseconds (24 days)
+_TTL_MAX_MS = 6_553_500  # libzmq sends the TTL in deciseconds, 16 bits
 
 
 def connect_promptly(sock: zmq.Socket) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from dpex._addresses import port_range
 from dpex._epoch_marks import SentMarks
@@ -77,6 +78,7 @@ class TrainerSession:
         self.rings: dict[int, TrainerRing] = {}
         self.receiver = Receiver(wire, [SOCKET, RingTransport(rings=self.rings)])
         self.unroutable = 0
+        self.cuts = 0  # admitted data connections that ended (see _count_refused)
         self.keys = SessionKeys.new(security)
         self._ctx: zmq.asyncio.Context | None = None
         self._admission: Admission | None = None
@@ -108,7 +110,7 @@ class TrainerSession:
         for sock in (self._data, self._ctrl):
             sock.setsockopt(zmq.LINGER, 0)
             self.keys.serve(sock)
-            keep_alive(sock)
+            keep_alive(sock, receives_data=sock is self._data)
         self._ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Only a holder of the workers' key gets this far, so a worker that reconnects
         # (after a link cut) takes its route over at once instead of being refused
@@ -135,12 +137,21 @@ class TrainerSession:
 
     async def _count_refused(self, sock: zmq.asyncio.Socket) -> None:
         """Count the connections whose handshake failed (no or a wrong key, another
-        protocol): they were dropped before libzmq read any message from them."""
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        protocol): they were dropped before libzmq read any message from them; and on the
+        data socket, the admitted connections that were cut (a heartbeat timeout, a
+        worker's death; ``cuts``)."""
+        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
+        refused = 0  # failed handshakes whose DISCONNECTED is still to come
         try:
             while True:
-                await monitor.recv_multipart()
-                self.rejected["handshake"] += 1
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event & _HANDSHAKE_FAILED:
+                    self.rejected["handshake"] += 1
+                    refused += 1
+                elif refused:
+                    refused -= 1
+                elif sock is self._data:
+                    self.cuts += 1
         finally:
             monitor.close(0)
 
@@ -326,7 +337,7 @@ class TrainerSession:
         """A copy of the counters, taken on the loop thread (where they change)."""
         return {"received": self.received, "received_in_ring": self.received_in_ring,
                 "security": self.keys.mode,
-                "unroutable": self.unroutable,
+                "unroutable": self.unroutable, "cuts": self.cuts,
                 "rejected": dict(self.rejected)}
 
     async def snapshot(self) -> dict:
