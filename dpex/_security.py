@@ -43,8 +43,9 @@ ZAP_DOMAIN = "dpex"
 AUTHENTICATED = "authenticated"  # PLAIN + ZAP: a per-iterator password, frames in clear
 ENCRYPTED = "encrypted"  # CURVE + ZAP: per-iterator keys, every frame encrypted
 _USER = "dpex-worker"
-# An unauthenticated connection is dropped if its handshake has not finished by then.
-HANDSHAKE_IVL_MS = 10_000
+# An unauthenticated connection is dropped if its handshake has not finished by then
+# (a genuine worker's takes milliseconds; a failed one is simply retried).
+HANDSHAKE_IVL_MS = 3_000
 
 
 def ray_uses_tls() -> bool:

@@ -397,3 +397,75 @@ def test_a_batch_frame_slower_than_the_heartbeat_is_not_cut(monkeypatch):
     finally:
         ctx.destroy(0)
         loop.stop(cleanup=sess.close)
+
+
+def held_open(address, source, within):
+    """Whether a TCP connection from ``source`` to ``address`` (tcp://host:port) that
+    sends nothing is still open after ``within`` seconds (the trainer holds its fd)."""
+    import socket
+
+    host, port = address.rsplit("//", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5,
+                                  source_address=(source, 0)) as conn:
+        deadline = time.monotonic() + within
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                conn.settimeout(left)
+                if conn.recv(4096) == b"":  # (libzmq greets first) closed by the trainer
+                    return False
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return False
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_connections_from_outside_the_accepted_addresses_are_closed_at_once(monkeypatch):
+    """Issue 25, item 4: a plain TCP connect from any host (no bytes, no key) held a
+    trainer fd for 10 s, with no cap. Connections from addresses not accepted are closed
+    as soon as they are accepted; an accepted silent one within the 3 s handshake
+    window; and the open-file soft limit is raised to the hard one."""
+    import resource
+
+    monkeypatch.setenv("DPEX_ACCEPT_FROM", "127.0.0.2")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
+    handoff = queue.SimpleQueue()
+    loop = LoopThread("dpex-test-loop")
+    sess = TrainerSession(Wire.new(), "127.0.0.1", handoff)
+    loop.start()
+    try:
+        loop.run(sess.open(), 5)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+        for address in (sess.data_address, sess.control_address):
+            started = time.monotonic()
+            assert not held_open(address, "127.0.0.3", within=2.0)
+            assert time.monotonic() - started < 1.0
+            started = time.monotonic()
+            assert not held_open(address, "127.0.0.2", within=8.0)  # accepted: handshake
+            assert 2.0 < time.monotonic() - started < 6.0  # the window, not 10 s
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        loop.stop(cleanup=sess.close)
+
+
+def test_the_accepted_addresses_are_the_hosts_subnet_and_the_clusters_nodes(monkeypatch):
+    import ray
+
+    from dpex import _addresses
+
+    monkeypatch.delenv("DPEX_ACCEPT_FROM", raising=False)
+    assert _addresses.accept_from("127.0.0.1") == []  # only this machine can connect
+    monkeypatch.setattr(ray, "nodes", lambda: [
+        {"NodeManagerAddress": "10.1.2.3", "Alive": True},
+        {"NodeManagerAddress": "10.9.9.9", "Alive": False}])
+    monkeypatch.setattr(_addresses, "subnet_of", lambda host: "192.0.2.0/24")
+    assert _addresses.accept_from("192.0.2.7") == ["192.0.2.0/24", "10.1.2.3", "192.0.2.7"]
+    monkeypatch.setenv("DPEX_ACCEPT_FROM", "any")
+    assert _addresses.accept_from("192.0.2.7") == []
+    monkeypatch.setenv("DPEX_ACCEPT_FROM", "10.0.0.0/8, 172.16.0.1")
+    assert _addresses.accept_from("192.0.2.7") == ["10.0.0.0/8", "172.16.0.1"]
+    monkeypatch.setenv("DPEX_ACCEPT_FROM", "10.0.0.0/8,nonsense")
+    with pytest.raises(ValueError, match="DPEX_ACCEPT_FROM.*'nonsense'"):
+        _addresses.accept_from("192.0.2.7")

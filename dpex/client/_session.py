@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from dpex._addresses import port_range
+from dpex._addresses import accept_from, port_range, raise_fd_limit
 from dpex._epoch_marks import SentMarks
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
 from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
@@ -67,8 +67,11 @@ class TrainerSession:
     """Sockets, hello handling and task forwarding of one iterator. Loop thread only."""
 
     def __init__(self, wire: Wire, host: str, handoff: queue.SimpleQueue,
-                 security: str = AUTHENTICATED) -> None:
+                 security: str = AUTHENTICATED, accept: list[str] | None = None) -> None:
+        """``accept``: the peers to accept connections from (default: see
+        :func:`~dpex._addresses.accept_from`; it asks Ray)."""
         self.wire = wire
+        self.accept_from = accept_from(host) if accept is None else accept
         self.session_id = wire.session_id
         self.host = host
         self.handoff = handoff
@@ -122,6 +125,11 @@ class TrainerSession:
         # Control traffic is bounded by the credit window, so no high-water mark can be hit
         # and a send never fails with EAGAIN (which would lose a task).
         self._ctrl.setsockopt(zmq.SNDHWM, 0)
+        # A connection from elsewhere is closed as soon as it is accepted.
+        for sock in (self._data, self._ctrl):
+            for peer in self.accept_from:
+                sock.setsockopt(zmq.TCP_ACCEPT_FILTER, peer.encode())
+        raise_fd_limit()
         low, high = port_range()
         port = self._data.bind_to_random_port(f"tcp://{self.host}", low, high + 1)
         self.data_address = f"tcp://{self.host}:{port}"

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from dpex._addresses import ADVERTISE_ENV, PORT_RANGE_ENV
+from dpex._addresses import ACCEPT_FROM_ENV, ADVERTISE_ENV, PORT_RANGE_ENV
 from dpex._epoch_marks import AppliedMarks
 from dpex._protocol import Kind, ProtocolError, worker_identity
 from dpex._security import ControlFreshness, connect_promptly
@@ -114,8 +114,9 @@ class _ConnectionLog:
                "the trainer's address or port is not reachable from this node (a firewall, "
                f"or an address of the trainer's host that this node cannot route to): set "
                f"{ADVERTISE_ENV} to an address of the trainer's host that the workers can "
-               f"reach, and {PORT_RANGE_ENV} (e.g. 50000-50100) to ports the firewall lets "
-               "through")
+               f"reach, {PORT_RANGE_ENV} (e.g. 50000-50100) to ports the firewall lets "
+               f"through, and in the trainer {ACCEPT_FROM_ENV} to the subnets the workers "
+               "connect from (the trainer closes any other connection at once)")
         return WorkerStartupError(
             f"dpex worker {spec.worker_id} on node {node} heard nothing from the trainer at "
             f"{spec.control_address} (data: {spec.data_address}) within {waited:g} s; "
