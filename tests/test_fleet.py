@@ -169,6 +169,19 @@ def test_sessions_added_and_retired_mid_epoch_on_a_fleet_keep_the_epoch_exact(cl
     assert {w for w, info in out["stats"]["workers"].items()} == {"0", "1", "2", "3"}
 
 
+def test_a_one_worker_fleet_waits_for_ray_to_restart_its_worker(cluster):
+    # Issue 25, item 8: both logical workers' sessions are on the only fleet worker;
+    # SIGKILLed, it answers nobody until Ray has restarted it (it failed at once with
+    # "no worker answered" before). The epoch waits for it and stays exact.
+    dpex_fleet(cluster, "start", "--name", "solo", "--workers", "1", "--cpus-per-worker",
+               "0", "--session-timeout", "3")
+    try:
+        out = result(trainer(cluster, "solo", "--dataset", "squares", "--kill-after", "5"))
+        assert sorted(r["worker"] for r in out["stats"]["recoveries"]) == [0, 1]
+    finally:
+        dpex_fleet(cluster, "stop", "--name", "solo", check=False)
+
+
 def test_stop_ends_the_fleet(cluster, fleet):  # last of the fleet's tests
     out = dpex_fleet(cluster, "stop", "--name", fleet).stdout
     assert f"stopped 3 workers of fleet '{fleet}'" in out
