@@ -3,7 +3,7 @@
     dpex fleet start --name prep --workers 8 [--cpus-per-worker 2] [--address HEAD:6379]
                      [--resources '{"cpu_node": 1}'] [--session-timeout 30]
     dpex fleet status --name prep
-    dpex fleet scale --name prep --workers 12
+    dpex fleet scale --name prep --workers 12 [--drain-timeout 60]
     dpex fleet autoscale --name prep --min 2 --max 32 [--interval 2] [--patience 5]
     dpex fleet stop --name prep
 
@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
             a.add_argument("--workers", type=int, required=True)
             a.add_argument("--timeout", type=float, default=120.0,
                            help="seconds to wait for new workers to be placed and up")
+            a.add_argument("--drain-timeout", type=float, default=60.0,
+                           help="seconds a removed worker's sessions get to move off it "
+                                "before it is killed (default 60; a session takes up to 15 s)")
         if name == "autoscale":
             a.add_argument("--min", type=int, required=True)
             a.add_argument("--max", type=int, required=True)
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_status_table(fleet_status(args.name)))
         elif args.action == "scale":
             before, after = scale_fleet(args.name, args.workers, args.timeout,
-                                        progress=lambda line: print(line, flush=True))
+                                        progress=lambda line: print(line, flush=True),
+                                        drain_s=args.drain_timeout)
             print(f"fleet {args.name!r}: {before} -> {after} workers")
         elif args.action == "autoscale":
             print(f"fleet {args.name!r}: one worker per session, {args.min} to {args.max} "

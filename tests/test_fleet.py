@@ -182,6 +182,42 @@ def test_a_one_worker_fleet_waits_for_ray_to_restart_its_worker(cluster):
         dpex_fleet(cluster, "stop", "--name", "solo", check=False)
 
 
+def test_a_scale_down_waits_for_a_slow_session_to_move(cluster, tmp_path):
+    # Issue 25, item 13: the removed worker's session is in an 8 s fetch when it is
+    # told to end (its clean-up waits for it). It was killed after 5 s, and the trainer
+    # saw a death (max_worker_restarts=0: the epoch failed). Now the worker is killed
+    # only once its session has ended and moved.
+    dpex_fleet(cluster, "start", "--name", "slow", "--workers", "3", "--cpus-per-worker",
+               "0", "--session-timeout", "3")
+    try:
+        go, flag = tmp_path / "go", tmp_path / "flag"
+        proc = trainer(cluster, "slow", "--dataset", "slowstop", "--slow-flag", str(flag),
+                       "--max-restarts", "0", "--wait-file", str(go), "--step-s", "0.05",
+                       "--epochs", "1")
+        line = wait_line(proc, "WAITING")
+        logical = {w["pid"]: int(w_id) for w_id, w in
+                   json.loads(line.split(" ", 1)[1]).items()}
+        busy = [r for r in status_rows(cluster, "slow") if int(r[4]) > 0]
+        assert len(busy) == 2, busy
+        victim = max(busy, key=lambda r: int(r[0]))  # the newest busy worker goes
+        flag.write_text(str(logical[int(victim[2])]))
+        go.touch()
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "flag.done").exists():  # its session is in the slow fetch
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        out = dpex_fleet(cluster, "scale", "--name", "slow", "--workers", "1").stdout
+        assert "3 -> 1 workers" in out and "killed" not in out, out
+        assert time.monotonic() - t0 > 5.0  # it waited past the old 5 s limit
+        stats = result(proc)["stats"]  # max_worker_restarts=0: no restart was spent
+        assert stats["dropped"].get("restarted", 0) >= 1
+        assert [r[0] for r in status_rows(cluster, "slow")] == [
+            min(r[0] for r in busy)]
+    finally:
+        dpex_fleet(cluster, "stop", "--name", "slow", check=False)
+
+
 def test_stop_ends_the_fleet(cluster, fleet):  # last of the fleet's tests
     out = dpex_fleet(cluster, "stop", "--name", fleet).stdout
     assert f"stopped 3 workers of fleet '{fleet}'" in out

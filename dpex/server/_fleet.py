@@ -27,7 +27,11 @@ from dpex.server._actor import DpexWorker
 __all__ = ["start_fleet", "fleet_status", "stop_fleet", "scale_fleet", "fleet_target",
            "autoscale_fleet"]
 
-_MOVE_S = 5.0  # how long a removed worker's sessions get to end before it is killed
+# How long a removed worker's sessions get to move off it before it is killed. A
+# session ends within STOP_GRACE_S (its process is asked, then killed), so the default
+# leaves room for that on a loaded node; past it the trainer sees a death.
+DRAIN_S = 60.0
+_CALL_S = 10.0  # how long a control call to the workers is waited for
 
 
 def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
@@ -135,13 +139,15 @@ def stop_fleet(fleet: str) -> int:
 
 
 def scale_fleet(fleet: str, workers: int, timeout: float = 120.0,
-                progress: Callable[[str], None] = print) -> tuple[int, int]:
+                progress: Callable[[str], None] = print,
+                drain_s: float = DRAIN_S) -> tuple[int, int]:
     """Grow or shrink ``fleet`` to ``workers``; return (before, after).
 
     New workers get the settings the fleet was started with. Shrinking removes idle
-    workers (no session) first, then the newest: a busy one's sessions are ended
-    first, and their trainers move them to the other workers, as after a death but
-    without spending one of their ``max_worker_restarts``."""
+    workers (no session) first, then the newest, each drained first: it takes no new
+    session and ends the ones it serves, whose trainers move them to the other workers,
+    as after a death but without spending one of their ``max_worker_restarts``; it is
+    killed once idle (or after ``drain_s`` seconds)."""
     if workers < 1:
         raise FleetError(f"--workers must be >= 1, got {workers}")
     actors = fleet_workers(fleet)
@@ -163,29 +169,65 @@ def scale_fleet(fleet: str, workers: int, timeout: float = 120.0,
     elif workers < before:
         order = sorted(actors, key=lambda a: (stats.get(a[0], {}).get("sessions_active", 0) > 0,
                                               -a[0]))
-        _remove([actor for _, actor in order[:before - workers]], progress)
+        _remove([actor for _, actor in order[:before - workers]], progress, drain_s)
     return before, workers
 
 
-def _remove(actors: list[Any], progress: Callable[[str], None]) -> None:
-    """End the workers' sessions (their trainers move them), then kill the workers."""
-    ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=_MOVE_S)
-    deadline = time.monotonic() + _MOVE_S
-    while time.monotonic() < deadline:
-        # Idle (no session, no session process left): every serve call has returned, so
-        # each trainer sees its session end cleanly (a move), not the worker's death.
-        refs = [a.reusable.remote() for a in actors]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-        try:
-            if len(done) == len(refs) and all(ray.get(done)):
-                time.sleep(0.5)  # (the calls' replies on their way to the trainers)
-                break
-        except ray.exceptions.RayError:
-            break
-        time.sleep(0.2)
+def _remove(actors: list[Any], progress: Callable[[str], None], drain_s: float = DRAIN_S,
+            report: bool = True) -> None:
+    """Drain the workers, then kill them: each takes no new session, ends the ones it
+    serves (their trainers move them to the other workers, which costs none of their
+    restarts), and is killed once idle, or after ``drain_s`` seconds (its trainers then
+    see a death; the message says so)."""
+    _call_all(actors, "stop")
+    busy = _wait_idle(actors, drain_s)
     for actor in actors:
+        _kill(actor)
+    if busy:
+        progress(f"{len(busy)} of the removed workers still served sessions after "
+                 f"{drain_s:g} s: killed (their trainers see a death and restart them)")
+    if report:
+        progress(f"removed {len(actors)} workers")
+
+
+def _call_all(actors: list[Any], method: str, **kwargs: Any) -> None:
+    """Call ``method`` on every worker; wait for the calls at most _CALL_S (a dead or
+    restarting worker must not hold up the rest)."""
+    refs = [getattr(a, method).remote(**kwargs) for a in actors]
+    ray.wait(refs, num_returns=len(refs), timeout=_CALL_S)
+
+
+def _wait_idle(actors: list[Any], timeout: float) -> list[Any]:
+    """Wait until every worker serves no session and runs nothing of an ended one (so
+    every ``serve`` call has returned and each trainer sees its session end cleanly),
+    at most ``timeout`` seconds; return those still busy then. A worker that cannot be
+    asked (dead) counts as idle: it serves nobody."""
+    busy = list(actors)
+    deadline = time.monotonic() + timeout
+    while busy:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return busy
+        refs = {a.reusable.remote(): a for a in busy}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=min(1.0, left))
+        for ref in done:
+            try:
+                idle = ray.get(ref)
+            except ray.exceptions.RayError:
+                idle = True
+            if idle:
+                busy.remove(refs[ref])
+        if busy:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    time.sleep(0.5)  # (the serve calls' replies on their way to the trainers)
+    return []
+
+
+def _kill(actor: Any) -> None:
+    try:
         ray.kill(actor, no_restart=True)
-    progress(f"removed {len(actors)} workers")
+    except ValueError:
+        pass  # gone already (another scaler removed it)
 
 
 def fleet_target(sessions: int, workers: int, idle: int, idle_streak: int, minimum: int,
