@@ -290,3 +290,70 @@ def test_fleet_scale_grows_and_shrinks_and_moved_sessions_cost_no_restart(cluste
         assert "scaling to 1" in out and len(status_rows(cluster, "elastic")) == 1
     finally:
         dpex_fleet(cluster, "stop", "--name", "elastic", check=False)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_scaler_steps_over_names_another_took_and_leaves_nothing_behind(monkeypatch):
+    # Issue 25, item 14: `scale` and `autoscale` at once both list the fleet, then start
+    # the same next names. Here the other one took race/2 after this one listed race/0
+    # only: race/1 was started, race/2 raised ActorAlreadyExistsError (a raw traceback)
+    # and race/1 was left behind. Now it steps over race/2.
+    from dpex import _fleet_registry
+    from dpex.server import _fleet
+
+    quiet = {"progress": lambda line: None}
+    _fleet.start_fleet("race", 1, cpus_per_worker=0, **quiet)
+    try:
+        setting = {"num_cpus": 0, "resources": {}}
+        _fleet._start_workers("race", [2], setting, 30.0, 60.0, held={}, **quiet)
+        stale = [w for w in _fleet_registry.fleet_workers("race") if w[0] == 0]
+        monkeypatch.setattr(_fleet, "fleet_workers", lambda fleet: stale)
+        assert _fleet.scale_fleet("race", 3, timeout=60.0, **quiet) == (1, 3)
+        monkeypatch.undo()
+        assert [i for i, _ in _fleet_registry.fleet_workers("race")] == [0, 1, 2, 3]
+    finally:
+        _fleet.stop_fleet("race", now=True)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_stop_drains_a_running_epoch_finishes_and_no_new_session_starts():
+    # Issue 25, item 14: `stop` killed the workers at once, in the middle of epochs.
+    # Now it drains: the running epoch ends exactly, a new iterator is refused by name,
+    # and the workers go once their sessions ended.
+    import threading
+
+    import torch
+
+    from dpex.server import _fleet
+
+    _fleet.start_fleet("draining", 1, cpus_per_worker=0, progress=lambda line: None)
+    dataset = dsets.Squares(48, max_sleep=0.01)
+    kw = {"batch_size": 4, "num_workers": 2, "shuffle": True}
+    want = dsets.epochs(dsets.torch_loader(dataset, generator=torch.Generator().manual_seed(3),
+                                           **kw))[0]
+    loader = DpexDataLoader(dataset, generator=torch.Generator().manual_seed(3),
+                            distribute_mode=True, worker_pool="draining",
+                            max_worker_restarts=0, **kw)
+    stopped = []
+    stopper = threading.Thread(target=lambda: stopped.append(
+        _fleet.stop_fleet("draining", timeout=60.0, progress=lambda line: None)))
+    try:
+        it = iter(loader)
+        got = [next(it)]
+        stopper.start()
+        time.sleep(1.0)  # the fleet drains now
+        with pytest.raises(FleetError, match="'draining' is being stopped"):
+            iter(DpexDataLoader(dataset, batch_size=4, num_workers=1, distribute_mode=True,
+                                worker_pool="draining"))
+        for batch in it:
+            got.append(batch)
+            time.sleep(0.02)
+        for g, w in zip(got, want, strict=True):
+            dsets.assert_same(g, w)
+        t0 = time.monotonic()
+        stopper.join(90)  # the epoch's end ended its sessions: the stop goes on at once
+        assert stopped == [1] and time.monotonic() - t0 < 30
+    finally:
+        loader.close()
+        if stopper.ident:
+            stopper.join(90)

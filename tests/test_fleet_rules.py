@@ -4,7 +4,7 @@ argument checks. Ray's calls are replaced by fakes driven on a fake clock."""
 
 import pytest
 
-from dpex import FleetError
+from dpex import FleetError, cli
 from dpex import _fleet_registry as registry
 
 # -- finding a fleet's workers ---------------------------------------------------------
@@ -86,3 +86,29 @@ def test_draining_workers_are_passed_over(monkeypatch):
     monkeypatch.setattr(registry, "sample",
                         lambda actors: {0: stats(draining=True), 1: stats(sessions=5)})
     assert registry.choose_workers("prep", 3) == ["w1"] * 3
+
+
+# -- the command's arguments -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,match", [
+    (["start", "--workers", "2", "--session-timeout", "0"], "--session-timeout"),
+    (["start", "--workers", "2", "--session-timeout", "nan"], "--session-timeout"),
+    (["start", "--workers", "2", "--session-timeout", "-3"], "--session-timeout"),
+    (["start", "--workers", "0"], "--workers"),
+    (["scale", "--workers", "0"], "--workers"),
+    (["start", "--workers", "2", "--timeout", "0"], "--timeout"),
+    (["stop", "--timeout", "-1"], "--timeout"),
+    (["autoscale", "--min", "1", "--max", "2", "--interval", "0"], "--interval"),
+    (["autoscale", "--min", "0", "--max", "2"], "--min"),
+    (["autoscale", "--min", "1", "--max", "2", "--patience", "0"], "--patience"),
+])
+def test_the_command_refuses_bad_numbers_before_it_joins_ray(monkeypatch, capsys, args, match):
+    def no_ray(address):
+        raise AssertionError("joined Ray with bad arguments")
+
+    monkeypatch.setattr(cli, "_connect", no_ray)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["fleet", args[0], "--name", "prep", *args[1:]])
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err

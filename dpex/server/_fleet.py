@@ -23,6 +23,7 @@ from dpex._fleet_registry import NAMESPACE, fleet_name, fleet_workers, sample
 from dpex._placement import reserves
 from dpex.errors import FleetError, WorkerStartupError
 from dpex.server._actor import DpexWorker
+from dpex.server._session_process import STOP_GRACE_S
 
 __all__ = ["start_fleet", "fleet_status", "stop_fleet", "scale_fleet", "fleet_target",
            "autoscale_fleet"]
@@ -31,6 +32,7 @@ __all__ = ["start_fleet", "fleet_status", "stop_fleet", "scale_fleet", "fleet_ta
 # session ends within STOP_GRACE_S (its process is asked, then killed), so the default
 # leaves room for that on a loaded node; past it the trainer sees a death.
 DRAIN_S = 60.0
+_MAX_SKIPS = 1000  # names taken by concurrent scalers that a start steps over
 _CALL_S = 10.0  # how long a control call to the workers is waited for
 
 
@@ -65,8 +67,10 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
 def _start_workers(fleet: str, indices: list[int], options: dict, session_timeout: float,
                    timeout: float, progress: Callable[[str], None],
                    held: Mapping[str, int]) -> list[dict]:
-    """Start the workers ``fleet/i`` for ``indices``; their stats once all are up
-    (nothing left behind if they cannot be). ``held``: workers per node already."""
+    """Start ``len(indices)`` workers ``fleet/i``, from the first of ``indices`` on;
+    their stats once all are up (nothing left behind if they cannot be). An index whose
+    name is taken meanwhile (a concurrent ``dpex fleet scale`` or ``autoscale`` chose
+    it too) is skipped for the next free one. ``held``: workers per node already."""
     workers = len(indices)
     try:
         check_placeable(options, workers)
@@ -80,15 +84,29 @@ def _start_workers(fleet: str, indices: list[int], options: dict, session_timeou
                       for node in choose_nodes(workers, held)]
     cls = ray.remote(DpexWorker)
     setting = {"options": options, "session_timeout": session_timeout}
-    actors = [cls.options(name=fleet_name(fleet, i), namespace=NAMESPACE, lifetime="detached",
-                          max_restarts=-1, max_task_retries=0, scheduling_strategy=strategy,
-                          **options).remote(session_timeout=session_timeout, pooled=True,
-                                            fleet_setting=setting)
-              for i, strategy in zip(indices, strategies, strict=True)]
-    pending = {a.fleet_stats.remote(): i for i, a in enumerate(actors)}
+    actors: list[Any] = []
+    names: list[int] = []
     infos: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
-    try:
+    try:  # (every actor created is inside: none is left behind by a failure)
+        index = indices[0]
+        for strategy in strategies:
+            while True:
+                try:
+                    actors.append(cls.options(
+                        name=fleet_name(fleet, index), namespace=NAMESPACE,
+                        lifetime="detached", max_restarts=-1, max_task_retries=0,
+                        scheduling_strategy=strategy, **options,
+                    ).remote(session_timeout=session_timeout, pooled=True,
+                             fleet_setting=setting))
+                    break
+                except ValueError:  # ActorAlreadyExistsError: another scaler took it
+                    if not _taken(fleet, index) or index - indices[0] > _MAX_SKIPS:
+                        raise
+                    index += 1
+            names.append(index)
+            index += 1
+        pending = {a.fleet_stats.remote(): i for i, a in enumerate(actors)}
         while pending:
             left = deadline - time.monotonic()
             done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, left))
@@ -99,13 +117,21 @@ def _start_workers(fleet: str, indices: list[int], options: dict, session_timeou
                     f"{options}; free now: {ray.available_resources()})")
             i = pending.pop(done[0])
             infos[i] = ray.get(done[0])
-            progress(f"{len(infos)}/{workers} workers up (worker {indices[i]} on node "
+            progress(f"{len(infos)}/{workers} workers up (worker {names[i]} on node "
                      f"{infos[i]['node_ip']}, pid {infos[i]['pid']})")
     except BaseException:
         for actor in actors:
             ray.kill(actor, no_restart=True)
         raise
     return [infos[i] for i in range(workers)]
+
+
+def _taken(fleet: str, index: int) -> bool:
+    try:
+        ray.get_actor(fleet_name(fleet, index), namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def fleet_status(fleet: str, interval: float = 1.0) -> list[dict]:
@@ -128,13 +154,28 @@ def fleet_status(fleet: str, interval: float = 1.0) -> list[dict]:
     return rows
 
 
-def stop_fleet(fleet: str) -> int:
-    """Kill the fleet's workers (their sessions' trainers see them die); return how many."""
+def stop_fleet(fleet: str, timeout: float = DRAIN_S, now: bool = False,
+               progress: Callable[[str], None] = print) -> int:
+    """Remove the fleet's workers; return how many.
+
+    A drain first: every worker takes no new session at once, and the sessions it
+    serves may go on for ``timeout`` seconds (their trainers finish their epochs or
+    close them). Sessions still open then are ended; their trainers find no worker
+    to move to and fail with :class:`FleetError` saying the fleet is being stopped.
+    ``now``: kill the workers at once (their trainers see them die)."""
     actors = fleet_workers(fleet)
     if not actors:
         raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster")
-    for _, actor in actors:
-        ray.kill(actor, no_restart=True)
+    handles = [actor for _, actor in actors]
+    if not now:
+        _call_all(handles, "stop", end_sessions=False)
+        busy = _wait_idle(handles, timeout)
+        if busy:
+            progress(f"{len(busy)} workers still serve sessions after {timeout:g} s: "
+                     "ending them")
+            _remove(busy, progress, drain_s=STOP_GRACE_S + 10.0, report=False)
+    for actor in handles:
+        _kill(actor)
     return len(actors)
 
 
