@@ -357,3 +357,27 @@ def test_stop_drains_a_running_epoch_finishes_and_no_new_session_starts():
         loader.close()
         if stopper.ident:
             stopper.join(90)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_stop_ends_sessions_still_open_after_its_timeout_and_their_trainer_is_told():
+    # A persistent iterator keeps its sessions between epochs: `stop --timeout 2` ends
+    # them after 2 s, cleanly, and the trainer's next epoch fails saying why.
+    from dpex.server import _fleet
+
+    _fleet.start_fleet("closing", 1, cpus_per_worker=0, progress=lambda line: None)
+    loader = DpexDataLoader(dsets.Squares(16), batch_size=4, num_workers=2,
+                            distribute_mode=True, worker_pool="closing",
+                            persistent_workers=True)
+    try:
+        assert len(list(loader)) == 4
+        lines: list[str] = []
+        t0 = time.monotonic()
+        assert _fleet.stop_fleet("closing", timeout=2.0, progress=lines.append) == 1
+        assert 2.0 <= time.monotonic() - t0 < 40, lines
+        assert lines == ["1 workers still serve sessions after 2 s: ending them"], lines
+        # (told while stopping, or once the fleet is gone: whichever it sees first)
+        with pytest.raises(FleetError, match="'closing' is being stopped|fleet named 'closing'"):
+            list(loader)
+    finally:
+        loader.close()

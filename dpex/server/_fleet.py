@@ -161,7 +161,7 @@ def stop_fleet(fleet: str, timeout: float = DRAIN_S, now: bool = False,
     A drain first: every worker takes no new session at once, and the sessions it
     serves may go on for ``timeout`` seconds (their trainers finish their epochs or
     close them). Sessions still open then are ended; their trainers find no worker
-    to move to and fail with :class:`FleetError` saying the fleet is being stopped.
+    to move to and fail with :class:`FleetError` (the fleet is being stopped, or gone).
     ``now``: kill the workers at once (their trainers see them die)."""
     actors = fleet_workers(fleet)
     if not actors:
