@@ -5,6 +5,8 @@ goes to. Shared: the trainer attaches to fleets (``worker_pool``), ``dpex fleet`
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -17,6 +19,7 @@ __all__ = ["NAMESPACE", "fleet_name", "fleet_workers", "sample", "choose_workers
 NAMESPACE = "dpex"
 _CALL_TIMEOUT_S = 10.0
 _STRAGGLER_S = 1.0
+_RETRY_S = 1.0  # how often a choice asks again while no worker answers
 
 
 def fleet_name(fleet: str, index: int) -> str:
@@ -24,14 +27,22 @@ def fleet_name(fleet: str, index: int) -> str:
 
 
 def fleet_workers(fleet: str) -> list[tuple[int, Any]]:
-    """The fleet's actors as ``(index, handle)``, by index; ``[]`` if there is none."""
+    """The fleet's actors as ``(index, handle)``, by index; ``[]`` if there is none.
+    A worker removed between the listing and its lookup (``dpex fleet scale`` or
+    ``stop`` ran meanwhile) is left out, as if listed a moment later."""
     prefix = fleet + "/"
     indices = sorted(
         int(a["name"][len(prefix):]) for a in ray.util.list_named_actors(all_namespaces=True)
         if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
         and a["name"][len(prefix):].isdigit()
     )
-    return [(i, ray.get_actor(fleet_name(fleet, i), namespace=NAMESPACE)) for i in indices]
+    found = []
+    for i in indices:
+        try:
+            found.append((i, ray.get_actor(fleet_name(fleet, i), namespace=NAMESPACE)))
+        except ValueError:  # Ray's "Failed to look up actor": gone since the listing
+            continue
+    return found
 
 
 def sample(actors: list[tuple[int, Any]]) -> dict[int, dict]:
@@ -52,17 +63,38 @@ def sample(actors: list[tuple[int, Any]]) -> dict[int, dict]:
     return out
 
 
-def choose_workers(fleet: str, n: int) -> list[Any]:
+def choose_workers(fleet: str, n: int, wait_s: float = 0.0,
+                   clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], None] = time.sleep) -> list[Any]:
     """Handles of the fleet workers that ``n`` logical workers run on: the least busy
-    first (ties at random), reused in turn when ``n`` exceeds the fleet. Raises
-    :class:`FleetError` when there is no such fleet or its dpex or Python differs."""
-    actors = fleet_workers(fleet)
-    if not actors:
-        raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster: start one with "
-                         f"`dpex fleet start --name {fleet} --workers N`")
-    stats = sample(actors)
-    if not stats:
-        raise FleetError(f"no worker of fleet {fleet!r} answered within {_CALL_TIMEOUT_S:g} s")
+    first (ties at random), reused in turn when ``n`` exceeds the fleet; a draining
+    worker (being removed) is never chosen.
+
+    While no worker answers (the only one died and Ray is restarting it), ask again
+    every second for ``wait_s`` seconds (the loader's ``startup_timeout``). Raises
+    :class:`FleetError` when there is no such fleet, when none answered within the
+    wait, when every worker drains (the fleet is being stopped), or when its dpex or
+    Python differs."""
+    deadline = clock() + wait_s
+    while True:
+        actors = fleet_workers(fleet)
+        if not actors:
+            raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster: start one "
+                             f"with `dpex fleet start --name {fleet} --workers N`")
+        stats = sample(actors)
+        if stats:
+            break
+        left = deadline - clock()
+        if left <= 0:
+            if wait_s <= 0:
+                raise FleetError(f"no worker of fleet {fleet!r} answered within "
+                                 f"{_CALL_TIMEOUT_S:g} s")
+            raise FleetError(
+                f"no worker of fleet {fleet!r} answered within startup_timeout={wait_s:g} s: "
+                f"its {len(actors)} worker(s) did not come back (Ray restarts a dead fleet "
+                f"worker where its resources are free; see `dpex fleet status --name "
+                f"{fleet}`)")
+        sleep(min(_RETRY_S, left))
     ours = local_versions()
     for i, info in stats.items():
         if info.get("versions") != ours:
@@ -71,7 +103,11 @@ def choose_workers(fleet: str, n: int) -> list[Any]:
                 f"{info.get('versions')}, but this trainer runs {ours}: restart the fleet "
                 "with the trainer's dpex and Python")
     handles = dict(actors)
-    # (not a worker being removed, whose sessions are moving off it, unless it is all)
-    usable = [i for i in stats if not stats[i].get("draining")] or list(stats)
+    # A draining worker is being removed (its sessions move off it) or the whole fleet
+    # is being stopped; it ends any session it is given at once.
+    usable = [i for i in stats if not stats[i].get("draining")]
+    if not usable:
+        raise FleetError(f"fleet {fleet!r} is being stopped (every worker that answered is "
+                         "draining): it takes no new session")
     order = sorted(usable, key=lambda i: (stats[i]["sessions_active"], random.random()))
     return [handles[order[k % len(order)]] for k in range(n)]

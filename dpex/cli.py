@@ -3,22 +3,55 @@
     dpex fleet start --name prep --workers 8 [--cpus-per-worker 2] [--address HEAD:6379]
                      [--resources '{"cpu_node": 1}'] [--session-timeout 30]
     dpex fleet status --name prep
-    dpex fleet scale --name prep --workers 12
+    dpex fleet scale --name prep --workers 12 [--drain-timeout 60]
     dpex fleet autoscale --name prep --min 2 --max 32 [--interval 2] [--patience 5]
-    dpex fleet stop --name prep
+    dpex fleet stop --name prep [--timeout 60] [--now]
 
 Exit status: 0 on success, 1 when the fleet cannot be started, found or reached
-(the message says why), 2 for bad arguments.
+(the message says why), 2 for bad arguments (refused before Ray is joined).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
 __all__ = ["main"]
+
+
+def _positive_float(text: str) -> float:
+    """A count of seconds: > 0 and finite (0 would free every session at once, NaN
+    compares false with everything)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _not_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,32 +64,45 @@ def _parser() -> argparse.ArgumentParser:
                        ("scale", "grow or shrink the fleet to --workers workers"),
                        ("autoscale", "follow the trainers' demand: one worker per session, "
                                      "within --min and --max, until interrupted"),
-                       ("stop", "kill the fleet's workers")):
+                       ("stop", "drain the fleet (no new sessions; running ones may end "
+                                "within --timeout) and remove its workers")):
         a = actions.add_parser(name, help=text)
         a.add_argument("--name", required=True, help="the fleet's name (worker_pool=NAME)")
         a.add_argument("--address", default=None,
                        help="Ray cluster to join (default: RAY_ADDRESS, else the running one)")
         if name == "scale":
-            a.add_argument("--workers", type=int, required=True)
-            a.add_argument("--timeout", type=float, default=120.0,
+            a.add_argument("--workers", type=_at_least_one, required=True)
+            a.add_argument("--timeout", type=_positive_float, default=120.0,
                            help="seconds to wait for new workers to be placed and up")
+            a.add_argument("--drain-timeout", type=_positive_float, default=60.0,
+                           help="seconds a removed worker's sessions get to move off it "
+                                "before it is killed (default 60; a session takes up to 15 s)")
         if name == "autoscale":
-            a.add_argument("--min", type=int, required=True)
-            a.add_argument("--max", type=int, required=True)
-            a.add_argument("--interval", type=float, default=2.0, help="seconds per round")
-            a.add_argument("--patience", type=int, default=5,
+            a.add_argument("--min", type=_at_least_one, required=True)
+            a.add_argument("--max", type=_at_least_one, required=True)
+            a.add_argument("--interval", type=_positive_float, default=2.0,
+                           help="seconds per round")
+            a.add_argument("--patience", type=_at_least_one, default=5,
                            help="rounds a worker stays idle before it is removed")
             a.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)
+        if name == "stop":
+            a.add_argument("--timeout", type=_positive_float, default=60.0,
+                           help="seconds running sessions may go on (their trainers finish "
+                                "or close them) before they are ended and the workers "
+                                "removed (default 60)")
+            a.add_argument("--now", action="store_true",
+                           help="kill the workers at once: their sessions' trainers see "
+                                "them die")
         if name == "start":
-            a.add_argument("--workers", type=int, required=True)
-            a.add_argument("--cpus-per-worker", type=float, default=1.0,
+            a.add_argument("--workers", type=_at_least_one, required=True)
+            a.add_argument("--cpus-per-worker", type=_not_negative, default=1.0,
                            help="CPUs each worker reserves in Ray (default 1); 0 reserves "
                                 "none and dpex spreads the workers over the CPU nodes")
             a.add_argument("--resources", type=json.loads, default=None,
                            help='custom Ray resources per worker, as JSON: \'{"cpu_node": 1}\'')
-            a.add_argument("--session-timeout", type=float, default=30.0,
+            a.add_argument("--session-timeout", type=_positive_float, default=30.0,
                            help="seconds a session may stay silent before its worker frees it")
-            a.add_argument("--timeout", type=float, default=120.0,
+            a.add_argument("--timeout", type=_positive_float, default=120.0,
                            help="seconds to wait for every worker to be placed and up")
     return p
 
@@ -84,7 +130,10 @@ def _status_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.action == "autoscale" and args.min > args.max:
+        parser.error(f"--min must be <= --max, got {args.min} and {args.max}")
     from dpex.errors import FleetError
     from dpex.server._fleet import (
         autoscale_fleet,
@@ -112,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_status_table(fleet_status(args.name)))
         elif args.action == "scale":
             before, after = scale_fleet(args.name, args.workers, args.timeout,
-                                        progress=lambda line: print(line, flush=True))
+                                        progress=lambda line: print(line, flush=True),
+                                        drain_s=args.drain_timeout)
             print(f"fleet {args.name!r}: {before} -> {after} workers")
         elif args.action == "autoscale":
             print(f"fleet {args.name!r}: one worker per session, {args.min} to {args.max} "
@@ -123,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt:
                 print("stopped following; the fleet keeps its size")
         else:
-            print(f"stopped {stop_fleet(args.name)} workers of fleet {args.name!r}")
+            if not args.now:
+                print(f"draining fleet {args.name!r}: no new sessions; running ones may go "
+                      f"on for {args.timeout:g} s", flush=True)
+            stopped = stop_fleet(args.name, args.timeout, args.now,
+                                 progress=lambda line: print(line, flush=True))
+            print(f"stopped {stopped} workers of fleet {args.name!r}")
     except FleetError as exc:
         print(f"dpex: {exc}", file=sys.stderr)
         return 1

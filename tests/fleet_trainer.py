@@ -11,7 +11,9 @@ that hangs in its workers after 2 batches (prints HUNG, to be killed);
 --resume-at N saves the loader's state after N batches of the first epoch and goes
 on with a new loader that loads it (a preempted trainer, resumed).
 --scale-to AFTER:N changes the worker count mid-epoch; --wait-file F pauses after 2
-batches until F exists (a test changes the fleet meanwhile).
+batches until F exists (a test changes the fleet meanwhile); --dataset slowstop with
+--slow-flag F: once F exists, the first fetch of the logical worker it names takes 8 s
+(a session that needs seconds to stop).
 The JSON line also gives the longest wait for one batch.
 """
 
@@ -34,11 +36,30 @@ from dpex import DpexDataLoader  # noqa: E402
 
 cloudpickle.register_pickle_by_value(dsets)
 
+
+class SlowOnce(dsets.Squares):
+    """Squares; once ``flag`` exists, the first fetch of the logical worker whose id it
+    holds takes ``hold`` seconds (once in all: a ``.done`` file marks it taken)."""
+
+    def __init__(self, n: int, flag: str, hold: float = 8.0) -> None:
+        super().__init__(n, max_sleep=0.0)
+        self.flag, self.hold = flag, hold
+
+    def __getitem__(self, i: int):
+        info = torch.utils.data.get_worker_info()
+        if os.path.exists(self.flag) and not os.path.exists(self.flag + ".done"):
+            with open(self.flag) as f:
+                mine = f.read().strip() == str(info.id)
+            if mine:
+                open(self.flag + ".done", "w").close()
+                time.sleep(self.hold)
+        return super().__getitem__(i)
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--address", required=True)
     p.add_argument("--fleet", required=True)
-    p.add_argument("--dataset", choices=["probe", "squares", "images"], default="probe")
+    p.add_argument("--dataset", choices=["probe", "squares", "images", "slowstop"], default="probe")
     p.add_argument("--cut-link", default=None,
                    help="VETH:AFTER:SECONDS: after AFTER batches, take VETH down for SECONDS")
     p.add_argument("--epochs", type=int, default=2)
@@ -52,6 +73,7 @@ def main() -> None:
                    help="AFTER:N: after AFTER batches of the first epoch, scale_workers(N)")
     p.add_argument("--step-s", type=float, default=0.0, help="the loop's time per batch")
     p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--slow-flag", default=None, help="--dataset slowstop's flag file")
     p.add_argument("--wait-file", default=None,
                    help="print WAITING after 2 batches and wait for this file to exist")
     args = p.parse_args()
@@ -60,7 +82,8 @@ def main() -> None:
         return
 
     dataset = {"probe": dsets.SeedProbe, "images": lambda: dsets.Images(48),
-               "squares": lambda: dsets.Squares(160, max_sleep=0.01)}[args.dataset]()
+               "squares": lambda: dsets.Squares(160, max_sleep=0.01),
+               "slowstop": lambda: SlowOnce(160, args.slow_flag)}[args.dataset]()
     kw = {"batch_size": 4, "num_workers": 2, "shuffle": True, "persistent_workers": True}
     expected = dsets.epochs(dsets.torch_loader(dataset, generator=torch.Generator().manual_seed(7),
                                                **kw), args.epochs)
@@ -98,7 +121,7 @@ def main() -> None:
                 if epoch == 0 and args.scale_to and len(got) == int(args.scale_to.split(":")[0]):
                     loader.scale_workers(int(args.scale_to.split(":")[1]))
                 if epoch == 0 and args.wait_file and len(got) == 2:
-                    print("WAITING", flush=True)
+                    print("WAITING", json.dumps(loader.stats()["workers"]), flush=True)
                     deadline = time.monotonic() + 120
                     while not os.path.exists(args.wait_file) and time.monotonic() < deadline:
                         time.sleep(0.1)

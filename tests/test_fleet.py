@@ -169,6 +169,55 @@ def test_sessions_added_and_retired_mid_epoch_on_a_fleet_keep_the_epoch_exact(cl
     assert {w for w, info in out["stats"]["workers"].items()} == {"0", "1", "2", "3"}
 
 
+def test_a_one_worker_fleet_waits_for_ray_to_restart_its_worker(cluster):
+    # Issue 25, item 8: both logical workers' sessions are on the only fleet worker;
+    # SIGKILLed, it answers nobody until Ray has restarted it (it failed at once with
+    # "no worker answered" before). The epoch waits for it and stays exact.
+    dpex_fleet(cluster, "start", "--name", "solo", "--workers", "1", "--cpus-per-worker",
+               "0", "--session-timeout", "3")
+    try:
+        out = result(trainer(cluster, "solo", "--dataset", "squares", "--kill-after", "5"))
+        assert sorted(r["worker"] for r in out["stats"]["recoveries"]) == [0, 1]
+    finally:
+        dpex_fleet(cluster, "stop", "--name", "solo", check=False)
+
+
+def test_a_scale_down_waits_for_a_slow_session_to_move(cluster, tmp_path):
+    # Issue 25, item 13: the removed worker's session is in an 8 s fetch when it is
+    # told to end (its clean-up waits for it). It was killed after 5 s, and the trainer
+    # saw a death (max_worker_restarts=0: the epoch failed). Now the worker is killed
+    # only once its session has ended and moved.
+    dpex_fleet(cluster, "start", "--name", "slow", "--workers", "3", "--cpus-per-worker",
+               "0", "--session-timeout", "3")
+    try:
+        go, flag = tmp_path / "go", tmp_path / "flag"
+        proc = trainer(cluster, "slow", "--dataset", "slowstop", "--slow-flag", str(flag),
+                       "--max-restarts", "0", "--wait-file", str(go), "--step-s", "0.05",
+                       "--epochs", "1")
+        line = wait_line(proc, "WAITING")
+        logical = {w["pid"]: int(w_id) for w_id, w in
+                   json.loads(line.split(" ", 1)[1]).items()}
+        busy = [r for r in status_rows(cluster, "slow") if int(r[4]) > 0]
+        assert len(busy) == 2, busy
+        victim = max(busy, key=lambda r: int(r[0]))  # the newest busy worker goes
+        flag.write_text(str(logical[int(victim[2])]))
+        go.touch()
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "flag.done").exists():  # its session is in the slow fetch
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        out = dpex_fleet(cluster, "scale", "--name", "slow", "--workers", "1").stdout
+        assert "3 -> 1 workers" in out and "killed" not in out, out
+        assert time.monotonic() - t0 > 5.0  # it waited past the old 5 s limit
+        stats = result(proc)["stats"]  # max_worker_restarts=0: no restart was spent
+        assert stats["dropped"].get("restarted", 0) >= 1
+        assert [r[0] for r in status_rows(cluster, "slow")] == [
+            min(r[0] for r in busy)]
+    finally:
+        dpex_fleet(cluster, "stop", "--name", "slow", check=False)
+
+
 def test_stop_ends_the_fleet(cluster, fleet):  # last of the fleet's tests
     out = dpex_fleet(cluster, "stop", "--name", fleet).stdout
     assert f"stopped 3 workers of fleet '{fleet}'" in out
@@ -241,3 +290,94 @@ def test_fleet_scale_grows_and_shrinks_and_moved_sessions_cost_no_restart(cluste
         assert "scaling to 1" in out and len(status_rows(cluster, "elastic")) == 1
     finally:
         dpex_fleet(cluster, "stop", "--name", "elastic", check=False)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_scaler_steps_over_names_another_took_and_leaves_nothing_behind(monkeypatch):
+    # Issue 25, item 14: `scale` and `autoscale` at once both list the fleet, then start
+    # the same next names. Here the other one took race/2 after this one listed race/0
+    # only: race/1 was started, race/2 raised ActorAlreadyExistsError (a raw traceback)
+    # and race/1 was left behind. Now it steps over race/2.
+    from dpex import _fleet_registry
+    from dpex.server import _fleet
+
+    quiet = {"progress": lambda line: None}
+    _fleet.start_fleet("race", 1, cpus_per_worker=0, **quiet)
+    try:
+        setting = {"num_cpus": 0, "resources": {}}
+        _fleet._start_workers("race", [2], setting, 30.0, 60.0, held={}, **quiet)
+        stale = [w for w in _fleet_registry.fleet_workers("race") if w[0] == 0]
+        monkeypatch.setattr(_fleet, "fleet_workers", lambda fleet: stale)
+        assert _fleet.scale_fleet("race", 3, timeout=60.0, **quiet) == (1, 3)
+        monkeypatch.undo()
+        assert [i for i, _ in _fleet_registry.fleet_workers("race")] == [0, 1, 2, 3]
+    finally:
+        _fleet.stop_fleet("race", now=True)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_stop_drains_a_running_epoch_finishes_and_no_new_session_starts():
+    # Issue 25, item 14: `stop` killed the workers at once, in the middle of epochs.
+    # Now it drains: the running epoch ends exactly, a new iterator is refused by name,
+    # and the workers go once their sessions ended.
+    import threading
+
+    import torch
+
+    from dpex.server import _fleet
+
+    _fleet.start_fleet("draining", 1, cpus_per_worker=0, progress=lambda line: None)
+    dataset = dsets.Squares(48, max_sleep=0.01)
+    kw = {"batch_size": 4, "num_workers": 2, "shuffle": True}
+    want = dsets.epochs(dsets.torch_loader(dataset, generator=torch.Generator().manual_seed(3),
+                                           **kw))[0]
+    loader = DpexDataLoader(dataset, generator=torch.Generator().manual_seed(3),
+                            distribute_mode=True, worker_pool="draining",
+                            max_worker_restarts=0, **kw)
+    stopped = []
+    stopper = threading.Thread(target=lambda: stopped.append(
+        _fleet.stop_fleet("draining", timeout=60.0, progress=lambda line: None)))
+    try:
+        it = iter(loader)
+        got = [next(it)]
+        stopper.start()
+        time.sleep(1.0)  # the fleet drains now
+        with pytest.raises(FleetError, match="'draining' is being stopped"):
+            iter(DpexDataLoader(dataset, batch_size=4, num_workers=1, distribute_mode=True,
+                                worker_pool="draining"))
+        for batch in it:
+            got.append(batch)
+            time.sleep(0.02)
+        for g, w in zip(got, want, strict=True):
+            dsets.assert_same(g, w)
+        t0 = time.monotonic()
+        stopper.join(90)  # the epoch's end ended its sessions: the stop goes on at once
+        assert stopped == [1] and time.monotonic() - t0 < 30
+    finally:
+        loader.close()
+        if stopper.ident:
+            stopper.join(90)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_stop_ends_sessions_still_open_after_its_timeout_and_their_trainer_is_told():
+    # A persistent iterator keeps its sessions between epochs: `stop --timeout 2` ends
+    # them after 2 s, cleanly, and the trainer's next epoch fails saying why.
+    from dpex.server import _fleet
+
+    _fleet.start_fleet("closing", 1, cpus_per_worker=0, progress=lambda line: None)
+    loader = DpexDataLoader(dsets.Squares(16), batch_size=4, num_workers=2,
+                            distribute_mode=True, worker_pool="closing",
+                            persistent_workers=True)
+    try:
+        assert len(list(loader)) == 4
+        lines: list[str] = []
+        t0 = time.monotonic()
+        assert _fleet.stop_fleet("closing", timeout=2.0, progress=lines.append) == 1
+        assert 2.0 <= time.monotonic() - t0 < 40, lines
+        assert lines == ["1 workers still serve sessions after 2 s: ending them"], lines
+        # (told while stopping, or once the fleet is gone: whichever it sees first)
+        with pytest.raises(FleetError, match="'closing' is being stopped|fleet named 'closing'"):
+            list(loader)
+    finally:
+        loader.close()

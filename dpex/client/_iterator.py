@@ -93,7 +93,7 @@ class _Runtime:
         self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff,
                                       wire_security(config.encryption))
         self.workers: WorkerGroup | FleetGroup = (
-            FleetGroup(config.worker_pool, handoff) if config.worker_pool
+            FleetGroup(config.worker_pool, handoff, config.startup_timeout) if config.worker_pool
             else WorkerGroup(worker_class, config.ray_remote_args, handoff, label,
                              keep_s=config.warm_worker_timeout))
         self.closed = False

@@ -350,11 +350,15 @@ class FleetGroup:
     Same interface as :class:`WorkerGroup`, but the actors belong to the fleet:
     ``stop()`` cancels this iterator's ``serve`` calls and leaves the workers
     running. A replacement session goes to the least busy worker that answers,
-    so a dead worker's share moves to the survivors while Ray restarts it.
+    so a dead worker's share moves to the survivors while Ray restarts it; when none
+    answers (a fleet of one), the choice waits up to ``startup_timeout`` for Ray to
+    restart one.
     """
 
-    def __init__(self, fleet: str, events: queue.SimpleQueue) -> None:
+    def __init__(self, fleet: str, events: queue.SimpleQueue,
+                 startup_timeout: float = 120.0) -> None:
         self.fleet = fleet
+        self.startup_timeout = startup_timeout
         self.options = {"worker_pool": fleet}
         self.events = events
         self.actors: dict[int, Any] = {}
@@ -362,7 +366,7 @@ class FleetGroup:
         self._stopped = False
 
     def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
-        for spec, actor in zip(specs, choose_workers(self.fleet, len(specs)), strict=True):
+        for spec, actor in zip(specs, self._choose(len(specs)), strict=True):
             self._start_one(spec, shipped, actor)
 
     def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, actor: Any) -> None:
@@ -376,7 +380,7 @@ class FleetGroup:
         if self._stopped:
             return
         self._cancel(spec.worker_id)
-        self._start_one(spec, shipped, choose_workers(self.fleet, 1)[0])
+        self._start_one(spec, shipped, self._choose(1)[0])
 
     def kill(self, worker_id: int) -> None:
         """End this iterator's session on a worker presumed broken (the fleet's process
@@ -386,12 +390,15 @@ class FleetGroup:
     def add(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
         """One more session, on the least busy fleet worker."""
         if not self._stopped:
-            self._start_one(spec, shipped, choose_workers(self.fleet, 1)[0])
+            self._start_one(spec, shipped, self._choose(1)[0])
 
     def retire(self, worker_id: int) -> None:
         """End a retired worker's session (the fleet worker lives on)."""
         self._cancel(worker_id)
         self.actors.pop(worker_id, None)
+
+    def _choose(self, n: int) -> list[Any]:
+        return choose_workers(self.fleet, n, wait_s=self.startup_timeout)
 
     @property
     def stopped(self) -> bool:

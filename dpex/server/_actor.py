@@ -175,12 +175,15 @@ class DpexWorker:
                 "draining": self.draining,
                 **counters}
 
-    async def stop(self) -> None:
-        """End every session this worker serves, and take no new one from a trainer
-        that chooses by ``fleet_stats`` (it is being removed: ``dpex fleet scale``)."""
+    async def stop(self, end_sessions: bool = True) -> None:
+        """Drain this worker (it is being removed: ``dpex fleet scale`` or ``stop``):
+        take no new session (trainers choose by ``fleet_stats``; one that chose it
+        before has its session ended at once, and moves it), and with ``end_sessions``
+        end every session it serves (without, they run until their trainers end them)."""
         self.draining = True
-        for session in list(self._sessions):
-            session.stop.set()
+        if end_sessions:
+            for session in list(self._sessions):
+                session.stop.set()
 
     def _count(self, nbytes: int) -> None:
         with self._lock:
@@ -196,6 +199,8 @@ class DpexWorker:
         (the worker's traffic is counted in ``fleet_stats``). A fleet's session
         (``spec.pooled``) runs in a process of its own, see
         :mod:`dpex.server._session_process`."""
+        if self.draining:
+            return  # a clean end: the trainer moves the session to a worker that stays
         with self._lock:
             self._counters["sessions_served"] += 1
         if spec.pooled:

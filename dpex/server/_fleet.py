@@ -23,11 +23,17 @@ from dpex._fleet_registry import NAMESPACE, fleet_name, fleet_workers, sample
 from dpex._placement import reserves
 from dpex.errors import FleetError, WorkerStartupError
 from dpex.server._actor import DpexWorker
+from dpex.server._session_process import STOP_GRACE_S
 
 __all__ = ["start_fleet", "fleet_status", "stop_fleet", "scale_fleet", "fleet_target",
            "autoscale_fleet"]
 
-_MOVE_S = 5.0  # how long a removed worker's sessions get to end before it is killed
+# How long a removed worker's sessions get to move off it before it is killed. A
+# session ends within STOP_GRACE_S (its process is asked, then killed), so the default
+# leaves room for that on a loaded node; past it the trainer sees a death.
+DRAIN_S = 60.0
+_MAX_SKIPS = 1000  # names taken by concurrent scalers that a start steps over
+_CALL_S = 10.0  # how long a control call to the workers is waited for
 
 
 def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
@@ -61,8 +67,10 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
 def _start_workers(fleet: str, indices: list[int], options: dict, session_timeout: float,
                    timeout: float, progress: Callable[[str], None],
                    held: Mapping[str, int]) -> list[dict]:
-    """Start the workers ``fleet/i`` for ``indices``; their stats once all are up
-    (nothing left behind if they cannot be). ``held``: workers per node already."""
+    """Start ``len(indices)`` workers ``fleet/i``, from the first of ``indices`` on;
+    their stats once all are up (nothing left behind if they cannot be). An index whose
+    name is taken meanwhile (a concurrent ``dpex fleet scale`` or ``autoscale`` chose
+    it too) is skipped for the next free one. ``held``: workers per node already."""
     workers = len(indices)
     try:
         check_placeable(options, workers)
@@ -76,15 +84,29 @@ def _start_workers(fleet: str, indices: list[int], options: dict, session_timeou
                       for node in choose_nodes(workers, held)]
     cls = ray.remote(DpexWorker)
     setting = {"options": options, "session_timeout": session_timeout}
-    actors = [cls.options(name=fleet_name(fleet, i), namespace=NAMESPACE, lifetime="detached",
-                          max_restarts=-1, max_task_retries=0, scheduling_strategy=strategy,
-                          **options).remote(session_timeout=session_timeout, pooled=True,
-                                            fleet_setting=setting)
-              for i, strategy in zip(indices, strategies, strict=True)]
-    pending = {a.fleet_stats.remote(): i for i, a in enumerate(actors)}
+    actors: list[Any] = []
+    names: list[int] = []
     infos: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
-    try:
+    try:  # (every actor created is inside: none is left behind by a failure)
+        index = indices[0]
+        for strategy in strategies:
+            while True:
+                try:
+                    actors.append(cls.options(
+                        name=fleet_name(fleet, index), namespace=NAMESPACE,
+                        lifetime="detached", max_restarts=-1, max_task_retries=0,
+                        scheduling_strategy=strategy, **options,
+                    ).remote(session_timeout=session_timeout, pooled=True,
+                             fleet_setting=setting))
+                    break
+                except ValueError:  # ActorAlreadyExistsError: another scaler took it
+                    if not _taken(fleet, index) or index - indices[0] > _MAX_SKIPS:
+                        raise
+                    index += 1
+            names.append(index)
+            index += 1
+        pending = {a.fleet_stats.remote(): i for i, a in enumerate(actors)}
         while pending:
             left = deadline - time.monotonic()
             done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, left))
@@ -95,13 +117,21 @@ def _start_workers(fleet: str, indices: list[int], options: dict, session_timeou
                     f"{options}; free now: {ray.available_resources()})")
             i = pending.pop(done[0])
             infos[i] = ray.get(done[0])
-            progress(f"{len(infos)}/{workers} workers up (worker {indices[i]} on node "
+            progress(f"{len(infos)}/{workers} workers up (worker {names[i]} on node "
                      f"{infos[i]['node_ip']}, pid {infos[i]['pid']})")
     except BaseException:
         for actor in actors:
             ray.kill(actor, no_restart=True)
         raise
     return [infos[i] for i in range(workers)]
+
+
+def _taken(fleet: str, index: int) -> bool:
+    try:
+        ray.get_actor(fleet_name(fleet, index), namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def fleet_status(fleet: str, interval: float = 1.0) -> list[dict]:
@@ -124,24 +154,41 @@ def fleet_status(fleet: str, interval: float = 1.0) -> list[dict]:
     return rows
 
 
-def stop_fleet(fleet: str) -> int:
-    """Kill the fleet's workers (their sessions' trainers see them die); return how many."""
+def stop_fleet(fleet: str, timeout: float = DRAIN_S, now: bool = False,
+               progress: Callable[[str], None] = print) -> int:
+    """Remove the fleet's workers; return how many.
+
+    A drain first: every worker takes no new session at once, and the sessions it
+    serves may go on for ``timeout`` seconds (their trainers finish their epochs or
+    close them). Sessions still open then are ended; their trainers find no worker
+    to move to and fail with :class:`FleetError` (the fleet is being stopped, or gone).
+    ``now``: kill the workers at once (their trainers see them die)."""
     actors = fleet_workers(fleet)
     if not actors:
         raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster")
-    for _, actor in actors:
-        ray.kill(actor, no_restart=True)
+    handles = [actor for _, actor in actors]
+    if not now:
+        _call_all(handles, "stop", end_sessions=False)
+        busy = _wait_idle(handles, timeout)
+        if busy:
+            progress(f"{len(busy)} workers still serve sessions after {timeout:g} s: "
+                     "ending them")
+            _remove(busy, progress, drain_s=STOP_GRACE_S + 10.0, report=False)
+    for actor in handles:
+        _kill(actor)
     return len(actors)
 
 
 def scale_fleet(fleet: str, workers: int, timeout: float = 120.0,
-                progress: Callable[[str], None] = print) -> tuple[int, int]:
+                progress: Callable[[str], None] = print,
+                drain_s: float = DRAIN_S) -> tuple[int, int]:
     """Grow or shrink ``fleet`` to ``workers``; return (before, after).
 
     New workers get the settings the fleet was started with. Shrinking removes idle
-    workers (no session) first, then the newest: a busy one's sessions are ended
-    first, and their trainers move them to the other workers, as after a death but
-    without spending one of their ``max_worker_restarts``."""
+    workers (no session) first, then the newest, each drained first: it takes no new
+    session and ends the ones it serves, whose trainers move them to the other workers,
+    as after a death but without spending one of their ``max_worker_restarts``; it is
+    killed once idle (or after ``drain_s`` seconds)."""
     if workers < 1:
         raise FleetError(f"--workers must be >= 1, got {workers}")
     actors = fleet_workers(fleet)
@@ -163,29 +210,65 @@ def scale_fleet(fleet: str, workers: int, timeout: float = 120.0,
     elif workers < before:
         order = sorted(actors, key=lambda a: (stats.get(a[0], {}).get("sessions_active", 0) > 0,
                                               -a[0]))
-        _remove([actor for _, actor in order[:before - workers]], progress)
+        _remove([actor for _, actor in order[:before - workers]], progress, drain_s)
     return before, workers
 
 
-def _remove(actors: list[Any], progress: Callable[[str], None]) -> None:
-    """End the workers' sessions (their trainers move them), then kill the workers."""
-    ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=_MOVE_S)
-    deadline = time.monotonic() + _MOVE_S
-    while time.monotonic() < deadline:
-        # Idle (no session, no session process left): every serve call has returned, so
-        # each trainer sees its session end cleanly (a move), not the worker's death.
-        refs = [a.reusable.remote() for a in actors]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-        try:
-            if len(done) == len(refs) and all(ray.get(done)):
-                time.sleep(0.5)  # (the calls' replies on their way to the trainers)
-                break
-        except ray.exceptions.RayError:
-            break
-        time.sleep(0.2)
+def _remove(actors: list[Any], progress: Callable[[str], None], drain_s: float = DRAIN_S,
+            report: bool = True) -> None:
+    """Drain the workers, then kill them: each takes no new session, ends the ones it
+    serves (their trainers move them to the other workers, which costs none of their
+    restarts), and is killed once idle, or after ``drain_s`` seconds (its trainers then
+    see a death; the message says so)."""
+    _call_all(actors, "stop")
+    busy = _wait_idle(actors, drain_s)
     for actor in actors:
+        _kill(actor)
+    if busy:
+        progress(f"{len(busy)} of the removed workers still served sessions after "
+                 f"{drain_s:g} s: killed (their trainers see a death and restart them)")
+    if report:
+        progress(f"removed {len(actors)} workers")
+
+
+def _call_all(actors: list[Any], method: str, **kwargs: Any) -> None:
+    """Call ``method`` on every worker; wait for the calls at most _CALL_S (a dead or
+    restarting worker must not hold up the rest)."""
+    refs = [getattr(a, method).remote(**kwargs) for a in actors]
+    ray.wait(refs, num_returns=len(refs), timeout=_CALL_S)
+
+
+def _wait_idle(actors: list[Any], timeout: float) -> list[Any]:
+    """Wait until every worker serves no session and runs nothing of an ended one (so
+    every ``serve`` call has returned and each trainer sees its session end cleanly),
+    at most ``timeout`` seconds; return those still busy then. A worker that cannot be
+    asked (dead) counts as idle: it serves nobody."""
+    busy = list(actors)
+    deadline = time.monotonic() + timeout
+    while busy:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return busy
+        refs = {a.reusable.remote(): a for a in busy}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=min(1.0, left))
+        for ref in done:
+            try:
+                idle = ray.get(ref)
+            except ray.exceptions.RayError:
+                idle = True
+            if idle:
+                busy.remove(refs[ref])
+        if busy:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    time.sleep(0.5)  # (the serve calls' replies on their way to the trainers)
+    return []
+
+
+def _kill(actor: Any) -> None:
+    try:
         ray.kill(actor, no_restart=True)
-    progress(f"removed {len(actors)} workers")
+    except ValueError:
+        pass  # gone already (another scaler removed it)
 
 
 def fleet_target(sessions: int, workers: int, idle: int, idle_streak: int, minimum: int,
