@@ -1,11 +1,13 @@
 """The warm pool's own thread, without Ray (its Ray calls stubbed)."""
 
+import ray
+
 from dpex.client import _warm
 
 
 def stub_ray(monkeypatch, wait):
-    monkeypatch.setattr(_warm.ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(_warm.ray, "wait", wait)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "wait", wait)
     monkeypatch.setattr(_warm, "_reusable", lambda actor: True)
     monkeypatch.setattr(_warm, "_kill", lambda actor: None)
 
