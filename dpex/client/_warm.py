@@ -69,17 +69,17 @@ class WarmPool:
 
     # -- what a worker group calls -----------------------------------------------
 
-    def take(self, key: str, node: str | None, wait_s: float = _TAKE_WAIT_S) -> Any | None:
+    def take(self, key: str, node: str | None, wait: bool = True) -> Any | None:
         """An idle actor with options ``key`` on ``node`` (any node for ``None``), or
-        None. One that is still returning (its iterator ended a moment ago: a
-        validation loop right after training) is waited for, up to ``wait_s`` seconds
-        (0: never; what a running epoch's replacement or added worker asks, since
-        the training thread waits meanwhile, see ``WorkerGroup``)."""
+        None. With ``wait``, one that is still returning (its iterator ended a moment
+        ago: a validation loop right after training) is waited for, briefly; without
+        (a running epoch's replacement or added worker, whose start the training
+        thread waits for), never."""
 
         def fits(entry: _Entry) -> bool:
             return entry.key == key and (node is None or entry.node == node)
 
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + (_TAKE_WAIT_S if wait else 0.0)
         with self._lock:
             while True:
                 for i, entry in enumerate(self._idle):

@@ -117,10 +117,15 @@ class WorkerGroup:
         self._actor_class = ray.remote(self.worker_class)
         nodes = _nodes_for(len(specs)) if not self.reserving else [None] * len(specs)
         for spec, node in zip(specs, nodes, strict=True):
-            self._start_one(spec, shipped, node)
+            self._start_one(spec, shipped, node, wait=True)
 
-    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None) -> None:
-        actor = POOL.take(self._key, node) if self.keep_s > 0 else None
+    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None,
+                   wait: bool = False) -> None:
+        """``wait``: for a warm worker still returning from the last iterator (only at
+        the iterator's start). A replacement or an added worker takes an idle one or
+        starts a fresh actor at once: the training thread carries it out, and a wait
+        there (up to 5 s per worker) held up the survivors' batches too."""
+        actor = POOL.take(self._key, node, wait=wait) if self.keep_s > 0 else None
         if actor is not None:  # a fresh process for the session, forked on that worker
             spec = dataclasses.replace(spec, pooled=True)
             self.warm.add(spec.worker_id)
