@@ -61,8 +61,8 @@ class FakeRay:
 
 class FakeActor:
     def __init__(self, fake):
-        self.reusable = type("Method", (), {})()
-        self.reusable.remote = wrap_auto_init(lambda: fake.api("reusable") or "ref")
+        self.keep = type("Method", (), {})()
+        self.keep.remote = wrap_auto_init(lambda: fake.api("keep") or "ref")
 
 
 def shut_down_at(name):

@@ -211,7 +211,8 @@ class WarmPool:
 
 def _reusable(actor: Any) -> bool:
     try:
-        return bool(_ray_guard.get(_ray_guard.call(actor.reusable), timeout=_CHECK_S))
+        # (keep(): reusable(), and its forkserver starts while it idles)
+        return bool(_ray_guard.get(_ray_guard.call(actor.keep), timeout=_CHECK_S))
     except Exception:  # dead, too slow to answer, or Ray shut down: not worth keeping
         return False
 
