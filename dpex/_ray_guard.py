@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-__all__ = ["RayDown", "ray_up", "get", "wait", "kill", "cancel", "call"]
+__all__ = ["RayDown", "ray_up", "job_id", "get", "wait", "kill", "cancel", "call"]
 
 
 class RayDown(RuntimeError):
@@ -51,6 +51,12 @@ def _checked(name: str) -> Callable:
     if not ray_up():
         raise RayDown(f"ray.{name}() after ray.shutdown()")
     return _no_autostart(getattr(ray, name))
+
+
+def job_id() -> str:
+    """This driver's job id: a new one for each ``ray.init()``, so it tells actors of
+    an earlier (shut down) connection from this one's."""
+    return _checked("get_runtime_context")().get_job_id()
 
 
 def get(refs: Any, timeout: float) -> Any:

@@ -34,6 +34,7 @@ class FakeRay:
 
     def __init__(self, monkeypatch, on_call=None):
         self.up = True
+        self.job = "01000000"  # a new one for each ray.init()
         self.started: list[str] = []
         self.calls: list[str] = []
         self.on_call = on_call or (lambda fake, name: None)
@@ -41,6 +42,8 @@ class FakeRay:
         monkeypatch.setattr(ray, "init", self.init)
         for name in ("get", "wait", "kill", "cancel"):
             monkeypatch.setattr(ray, name, wrap_auto_init(functools.partial(self.api, name)))
+        context = type("Context", (), {"get_job_id": lambda _: self.api("job")})()
+        monkeypatch.setattr(ray, "get_runtime_context", wrap_auto_init(lambda: context))
 
     def init(self, *args, **kwargs):
         self.started.append(threading.current_thread().name)
@@ -53,6 +56,8 @@ class FakeRay:
         self.on_call(self, name)
         if name == "wait":
             return list(args[0]), []
+        if name == "job":
+            return self.job
         return True if name == "get" else None
 
     def actor(self):
@@ -78,8 +83,9 @@ def test_the_exit_hook_starts_no_ray_after_shutdown(monkeypatch):
     workers went with their driver; nothing is killed, nothing is started."""
     fake = FakeRay(monkeypatch)
     pool = _warm.WarmPool()
-    pool._idle.append(_warm._Entry(fake.actor(), "key", None, 60.0))
-    pool._returning.append(_warm._Entry(fake.actor(), "key", None, 60.0, ref="ref"))
+    pool._idle.append(_warm._Entry(fake.actor(), "key", None, 60.0, job=fake.job))
+    pool._returning.append(_warm._Entry(fake.actor(), "key", None, 60.0, ref="ref",
+                                        job=fake.job))
     monkeypatch.setattr(_warm, "POOL", pool)
     fake.up = False  # the user's ray.shutdown()
     _warm.release()
@@ -97,6 +103,18 @@ def test_the_pool_thread_starts_no_ray_when_shut_down_mid_round(monkeypatch):
         time.sleep(0.01)
     assert fake.started == []
     assert pool._thread is None and pool.idle_count() == 0 and not pool._returning
+
+
+def test_workers_of_an_earlier_connection_are_never_handed_out(monkeypatch):
+    """ray.shutdown() then ray.init() at once (before the pool's thread saw Ray down):
+    the kept workers ended with the first driver, and their handles mean nothing to
+    the second; the pool drops them instead of starting a session on one."""
+    fake = FakeRay(monkeypatch, on_call=lambda fake, name: time.sleep(0.01))
+    pool = _warm.WarmPool()
+    pool._idle.append(_warm._Entry(fake.actor(), "key", None, 60.0, job=fake.job))
+    fake.job = "02000000"  # shut down and initialized again
+    assert pool.take("key", None, wait=False) is None and pool.idle_count() == 0
+    assert fake.started == []
 
 
 def test_a_failing_check_is_logged_once(monkeypatch, caplog):

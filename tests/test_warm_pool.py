@@ -13,6 +13,8 @@ from dpex.client import _warm, _workers
 def stub_ray(monkeypatch, wait):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: SimpleNamespace(get_job_id=lambda: "01000000"))
     monkeypatch.setattr(_warm, "_reusable", lambda actor: True)
     monkeypatch.setattr(_warm, "_kill", lambda actor: None)
 

@@ -53,6 +53,7 @@ class _Entry:
     keep_s: float
     ref: Any = None  # the ended session's serve call (returning entries)
     since: float = field(default_factory=time.monotonic)
+    job: str | None = None  # the Ray connection it belongs to (_ray_guard.job_id)
 
 
 class WarmPool:
@@ -76,10 +77,14 @@ class WarmPool:
         (a running epoch's replacement or added worker, whose start the training
         thread waits for), never."""
 
+        job = _job()
+
         def fits(entry: _Entry) -> bool:
-            return entry.key == key and (node is None or entry.node == node)
+            return entry.key == key and (node is None or entry.node == node) and (
+                entry.job == job)
 
         deadline = time.monotonic() + (_TAKE_WAIT_S if wait else 0.0)
+        self._forget_other_jobs(job)
         with self._lock:
             while True:
                 for i, entry in enumerate(self._idle):
@@ -95,9 +100,13 @@ class WarmPool:
     def give_back(self, actor: Any, ref: Any, key: str, node: str | None,
                   keep_s: float) -> None:
         """An iterator ended its session on ``actor`` (``ref``: the serve call it
-        cancelled); keep the actor ``keep_s`` seconds once it proves idle."""
+        cancelled); keep the actor ``keep_s`` seconds once it proves idle. With Ray
+        shut down meanwhile it is gone with its driver: nothing is kept."""
+        job = _job()
+        if job is None:
+            return
         with self._lock:
-            self._returning.append(_Entry(actor, key, node, keep_s, ref))
+            self._returning.append(_Entry(actor, key, node, keep_s, ref, job=job))
             self._ensure_thread()
         self._wake.set()
 
@@ -124,6 +133,15 @@ class WarmPool:
         """Ray was shut down: its actors ended with their driver."""
         with self._lock:
             self._idle, self._returning = [], []
+            self._settled.notify_all()
+
+    def _forget_other_jobs(self, job: str | None) -> None:
+        """Drop the actors of an earlier connection (``ray.shutdown()`` then
+        ``ray.init()``: they ended with that driver, and their handles mean nothing to
+        this one)."""
+        with self._lock:
+            self._idle = [e for e in self._idle if e.job == job]
+            self._returning = [e for e in self._returning if e.job == job]
             self._settled.notify_all()
 
     def wait_settled(self, timeout: float) -> bool:
@@ -168,8 +186,7 @@ class WarmPool:
     def _round(self) -> None:
         """One check of returning and expired actors; raises RayDown once Ray is shut
         down (the caller forgets them)."""
-        if not _ray_guard.ray_up():
-            raise _ray_guard.RayDown("ray.shutdown()")
+        self._forget_other_jobs(_ray_guard.job_id())  # (raises RayDown once shut down)
         with self._lock:
             refs = [e.ref for e in self._returning]
         if refs:  # wake as soon as a session ends
@@ -207,6 +224,14 @@ class WarmPool:
             self._idle = [e for e in self._idle if e not in expired]
         for entry in expired:
             _kill(entry.actor)
+
+
+def _job() -> str | None:
+    """This connection's job id, None with Ray shut down."""
+    try:
+        return _ray_guard.job_id()
+    except Exception:
+        return None
 
 
 def _reusable(actor: Any) -> bool:
