@@ -184,8 +184,9 @@ def test_a_fleet_iterators_teardown_starts_no_ray(monkeypatch):
 
 
 # A user's script: warm workers returning to the pool, a loader dropped without close
-# (the reaper ends it), then ray.shutdown() and (argv[1] == "wait") a pause or an exit
-# at once. ray.init is replaced before the shutdown: any later call says who made it.
+# (the reaper ends it; the shutdown comes as it gives them back to the pool), then
+# ray.shutdown() and (argv[1] == "wait") a pause or an exit at once. ray.init is
+# replaced before the shutdown: any later call says who made it.
 SCRIPT = textwrap.dedent("""
     import gc, logging, sys, threading, time, traceback
     import ray, torch
@@ -200,6 +201,10 @@ SCRIPT = textwrap.dedent("""
     next(dropped)
     del dropped
     gc.collect()
+    from dpex.client._warm import POOL  # shut down while its workers are returning:
+    deadline = time.monotonic() + 10    # the pool's thread is then busy with them
+    while not POOL._returning and time.monotonic() < deadline:
+        time.sleep(0.005)
 
     def refuse_init(*args, **kwargs):
         print("RAY_INIT_CALLED on", threading.current_thread().name, flush=True)
