@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-__all__ = ["reap", "finalizer_for"]
+__all__ = ["reap", "flush", "finalizer_for"]
 
 logger = logging.getLogger("dpex")
 
@@ -46,6 +46,20 @@ class _Reaper:
             except Exception:  # one teardown's failure must not stop the others
                 logger.exception("dpex: a teardown failed")
 
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything handed over so far has run (``release_warm_workers()``:
+        a dropped iterator's teardown gives its workers back to the pool, and must do
+        so while Ray is up). False on timeout, or when called on the reaper thread itself
+        (a teardown cannot wait for those queued after it)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return True  # nothing was handed over, or all of it ran
+        if thread is threading.current_thread():
+            return False
+        done = threading.Event()
+        self._queue.put(done.set)
+        return done.wait(timeout)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Finish what was handed over (at exit), then end the thread."""
         thread = self._thread
@@ -61,6 +75,11 @@ atexit.register(_REAPER.stop)
 def reap(fn: Callable[[], None]) -> None:
     """Run ``fn`` on the reaper thread (soon, in submission order)."""
     _REAPER.submit(fn)
+
+
+def flush(timeout: float = 10.0) -> bool:
+    """Run what was handed to the reaper so far, now: see :meth:`_Reaper.flush`."""
+    return _REAPER.flush(timeout)
 
 
 def finalizer_for(close: Callable[[], None]) -> Callable[[], None]:

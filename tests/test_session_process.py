@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import cloudpickle
@@ -95,3 +96,51 @@ def test_a_killed_workers_forkserver_directory_is_removed_by_the_next_one(tmp_pa
     assert not os.path.exists(mine)  # the next start removed the dead one's
     assert os.listdir(tmp_path / f"dpex-mp-{os.getuid()}") == []  # its own, at its exit
     assert not list(tmp_path.glob("pymp-*"))
+
+
+def worker_without_ray(monkeypatch, **kwargs):
+    """A DpexWorker built as Ray builds it, its placement made up; its forkserver start
+    recorded instead of run."""
+    from dpex.server import _actor
+
+    started = threading.Event()
+    monkeypatch.setattr(_actor, "prestart", started.set)
+    monkeypatch.setattr(_actor, "_placement", lambda: {"node_id": "f" * 56, "pid": 1})
+    monkeypatch.setattr(_actor, "_ray_address", lambda: None)
+    return _actor.DpexWorker(**kwargs), started
+
+
+def test_a_warm_worker_starts_its_forkserver_only_once_kept_idle(monkeypatch):
+    """Its first session runs in the actor and may be its only one (persistent_workers,
+    one iterator): the forkserver (~170 MiB PSS) waits until the warm pool keeps the
+    worker for a later session (issue 25, item 10). A fleet worker, whose every
+    session forks, starts it at once."""
+    worker, started = worker_without_ray(monkeypatch, warm=True)
+    assert not started.wait(0.5)  # started with the actor before
+    worker._sessions.add(object())  # serving: not kept, still nothing
+    assert worker.keep() is False and not started.wait(0.2)
+    worker._sessions.clear()
+    assert worker.keep() is True and started.wait(5)
+
+
+def test_a_fleet_worker_starts_its_forkserver_at_once(monkeypatch):
+    _, started = worker_without_ray(monkeypatch, pooled=True)
+    assert started.wait(5)
+
+
+def test_a_session_process_starts_from_the_workers_start_state(monkeypatch, tmp_path):
+    """A warm worker's forkserver starts after its first session, which ran in the actor
+    and may have set variables, changed directory or sys.path (a worker_init_fn): each
+    forked session starts from the worker's state as it started, as it did when the
+    forkserver started with the worker (test_warm.py's
+    test_a_warm_worker_gives_exactly_what_a_fresh_one_gives runs it for real)."""
+    from dpex.server import _session_process
+
+    state = _session_process._process_state()
+    monkeypatch.setenv("DPEX_TEST_INIT", "0,")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _session_process._restore(state)
+    assert os.environ.get("DPEX_TEST_INIT") == state[0].get("DPEX_TEST_INIT")
+    assert os.getcwd() == state[2]
+    assert str(tmp_path) not in sys.path

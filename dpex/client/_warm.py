@@ -15,6 +15,12 @@ The pool belongs to this process: its actors are ordinary (not detached) actors 
 this Ray driver, so they end with it even when it is killed, and :func:`release`
 (also run at exit) kills the idle ones at once. One thread, ``dpex-warm``, checks
 returning actors and retires expired ones; it ends when nothing is left to watch.
+
+After the user's ``ray.shutdown()`` the pool calls Ray no more (each of its calls
+would start a new Ray, see :mod:`dpex._ray_guard`): its actors went with their
+driver, so it forgets them. ``release()`` first runs the teardowns still queued on
+the reaper thread (dropped iterators), so that called before ``ray.shutdown()`` it
+leaves nothing for a background thread to do afterwards.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
+from dpex import _ray_guard
+from dpex._reaper import flush as flush_teardowns
 
 __all__ = ["WarmPool", "POOL", "release"]
 
@@ -35,6 +42,7 @@ logger = logging.getLogger("dpex")
 _CHECK_S = 10.0  # how long a returning actor may take to end its session
 _TAKE_WAIT_S = 5.0  # how long a new worker waits for a returning one (vs. seconds to start)
 _TICK_S = 0.5
+_FLUSH_S = 10.0  # how long release() waits for queued teardowns
 
 
 @dataclass
@@ -45,6 +53,7 @@ class _Entry:
     keep_s: float
     ref: Any = None  # the ended session's serve call (returning entries)
     since: float = field(default_factory=time.monotonic)
+    job: str | None = None  # the Ray connection it belongs to (_ray_guard.job_id)
 
 
 class WarmPool:
@@ -61,15 +70,21 @@ class WarmPool:
 
     # -- what a worker group calls -----------------------------------------------
 
-    def take(self, key: str, node: str | None) -> Any | None:
+    def take(self, key: str, node: str | None, wait: bool = True) -> Any | None:
         """An idle actor with options ``key`` on ``node`` (any node for ``None``), or
-        None. One that is still returning (its iterator ended a moment ago: a
-        validation loop right after training) is waited for, briefly."""
+        None. With ``wait``, one that is still returning (its iterator ended a moment
+        ago: a validation loop right after training) is waited for, briefly; without
+        (a running epoch's replacement or added worker, whose start the training
+        thread waits for), never."""
+
+        job = _job()
 
         def fits(entry: _Entry) -> bool:
-            return entry.key == key and (node is None or entry.node == node)
+            return entry.key == key and (node is None or entry.node == node) and (
+                entry.job == job)
 
-        deadline = time.monotonic() + _TAKE_WAIT_S
+        deadline = time.monotonic() + (_TAKE_WAIT_S if wait else 0.0)
+        self._forget_other_jobs(job)
         with self._lock:
             while True:
                 for i, entry in enumerate(self._idle):
@@ -85,9 +100,13 @@ class WarmPool:
     def give_back(self, actor: Any, ref: Any, key: str, node: str | None,
                   keep_s: float) -> None:
         """An iterator ended its session on ``actor`` (``ref``: the serve call it
-        cancelled); keep the actor ``keep_s`` seconds once it proves idle."""
+        cancelled); keep the actor ``keep_s`` seconds once it proves idle. With Ray
+        shut down meanwhile it is gone with its driver: nothing is kept."""
+        job = _job()
+        if job is None:
+            return
         with self._lock:
-            self._returning.append(_Entry(actor, key, node, keep_s, ref))
+            self._returning.append(_Entry(actor, key, node, keep_s, ref, job=job))
             self._ensure_thread()
         self._wake.set()
 
@@ -101,13 +120,29 @@ class WarmPool:
             return {e.actor._actor_id.hex() for e in self._idle + self._returning}
 
     def release(self) -> int:
-        """Kill every idle and returning actor now; return how many."""
+        """Kill every idle and returning actor now; return how many. With Ray shut
+        down they are gone with their driver already: forgotten, nothing is called."""
         with self._lock:
             entries, self._idle, self._returning = self._idle + self._returning, [], []
             self._settled.notify_all()
         for entry in entries:
             _kill(entry.actor)
         return len(entries)
+
+    def _forget(self) -> None:
+        """Ray was shut down: its actors ended with their driver."""
+        with self._lock:
+            self._idle, self._returning = [], []
+            self._settled.notify_all()
+
+    def _forget_other_jobs(self, job: str | None) -> None:
+        """Drop the actors of an earlier connection (``ray.shutdown()`` then
+        ``ray.init()``: they ended with that driver, and their handles mean nothing to
+        this one)."""
+        with self._lock:
+            self._idle = [e for e in self._idle if e.job == job]
+            self._returning = [e for e in self._returning if e.job == job]
+            self._settled.notify_all()
 
     def wait_settled(self, timeout: float) -> bool:
         """Wait until no returning actor is left unchecked (tests, benchmarks)."""
@@ -127,27 +162,35 @@ class WarmPool:
             self._thread.start()
 
     def _run(self) -> None:
+        failing = False  # logged once per run of failed rounds, not every round
         while True:
-            if not ray.is_initialized():
-                with self._lock:
-                    self._idle, self._returning = [], []  # their driver is gone: so are they
-                    self._thread = None
-                return
             try:
                 self._round()
-            except Exception:  # a Ray call failed (shutting down, GCS busy): next round
-                logger.warning("dpex warm pool: a check failed; trying again", exc_info=True)
-                self._wake.wait(_TICK_S)
+                failing = False
+            except Exception:  # a Ray call failed (shut down, GCS busy): next round
+                if not _ray_guard.ray_up():
+                    self._forget()  # (and the thread ends, below)
+                elif not failing:
+                    failing = True
+                    logger.warning("dpex warm pool: a check failed; trying again each "
+                                   "%g s (logged once)", _TICK_S, exc_info=True)
+                    self._wake.wait(_TICK_S)
+                else:
+                    logger.debug("dpex warm pool: a check failed again", exc_info=True)
+                    self._wake.wait(_TICK_S)
             with self._lock:
                 if not self._idle and not self._returning:
                     self._thread = None
                     return
 
     def _round(self) -> None:
+        """One check of returning and expired actors; raises RayDown once Ray is shut
+        down (the caller forgets them)."""
+        self._forget_other_jobs(_ray_guard.job_id())  # (raises RayDown once shut down)
         with self._lock:
             refs = [e.ref for e in self._returning]
         if refs:  # wake as soon as a session ends
-            ray.wait(refs, num_returns=1, timeout=_TICK_S)
+            _ray_guard.wait(refs, num_returns=1, timeout=_TICK_S)
         else:
             self._wake.wait(_TICK_S)
         self._wake.clear()
@@ -158,7 +201,7 @@ class WarmPool:
         with self._lock:
             returning = list(self._returning)
         for entry in returning:
-            done, _ = ray.wait([entry.ref], timeout=0)
+            done, _ = _ray_guard.wait([entry.ref], timeout=0)
             late = time.monotonic() - entry.since > _CHECK_S
             if not done and not late:
                 continue
@@ -183,18 +226,27 @@ class WarmPool:
             _kill(entry.actor)
 
 
+def _job() -> str | None:
+    """This connection's job id, None with Ray shut down."""
+    try:
+        return _ray_guard.job_id()
+    except Exception:
+        return None
+
+
 def _reusable(actor: Any) -> bool:
     try:
-        return bool(ray.get(actor.reusable.remote(), timeout=_CHECK_S))
-    except Exception:  # dead, or too slow to answer: not worth keeping
+        # (keep(): reusable(), and its forkserver starts while it idles)
+        return bool(_ray_guard.get(_ray_guard.call(actor.keep), timeout=_CHECK_S))
+    except Exception:  # dead, too slow to answer, or Ray shut down: not worth keeping
         return False
 
 
 def _kill(actor: Any) -> None:
     try:
-        ray.kill(actor, no_restart=True)
+        _ray_guard.kill(actor)
     except Exception:
-        pass  # already gone
+        pass  # already gone (or Ray shut down: gone with its driver)
 
 
 POOL = WarmPool()
@@ -202,7 +254,11 @@ POOL = WarmPool()
 
 def release() -> int:
     """Kill this process's idle warm workers now (they also end with it); return how
-    many. ``dpex.release_warm_workers()``."""
+    many. ``dpex.release_warm_workers()``, also dpex's exit hook. It first runs the
+    teardowns still queued for dropped iterators (which hand their workers here), so
+    that, called before ``ray.shutdown()``, no background thread is left to call Ray
+    afterwards."""
+    flush_teardowns(_FLUSH_S)
     return POOL.release()
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from dpex import _cluster, _placement
+from dpex import _cluster, _placement, _ray_guard
 from dpex._fleet_registry import choose_workers
 from dpex._spec import WorkerSpec
 from dpex.client._events import WorkerExit
@@ -117,10 +117,15 @@ class WorkerGroup:
         self._actor_class = ray.remote(self.worker_class)
         nodes = _nodes_for(len(specs)) if not self.reserving else [None] * len(specs)
         for spec, node in zip(specs, nodes, strict=True):
-            self._start_one(spec, shipped, node)
+            self._start_one(spec, shipped, node, wait=True)
 
-    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None) -> None:
-        actor = POOL.take(self._key, node) if self.keep_s > 0 else None
+    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None,
+                   wait: bool = False) -> None:
+        """``wait``: for a warm worker still returning from the last iterator (only at
+        the iterator's start). A replacement or an added worker takes an idle one or
+        starts a fresh actor at once: the training thread carries it out, and a wait
+        there (up to 5 s per worker) held up the survivors' batches too."""
+        actor = POOL.take(self._key, node, wait=wait) if self.keep_s > 0 else None
         if actor is not None:  # a fresh process for the session, forked on that worker
             spec = dataclasses.replace(spec, pooled=True)
             self.warm.add(spec.worker_id)
@@ -169,11 +174,11 @@ class WorkerGroup:
         self.nodes.pop(worker_id, None)
         self.warm.discard(worker_id)
         ref = self._calls.pop(worker_id, None)
-        if ref is not None and ray.is_initialized():
-            try:
-                ray.cancel(ref)  # an async actor's task: its session process is ended
+        if ref is not None:
+            try:  # (from stop(), maybe on the reaper thread: never starts Ray)
+                _ray_guard.cancel(ref)  # an async actor's task: its session process ends
             except Exception:
-                pass  # already finished
+                pass  # already finished, or Ray shut down
 
     def retire(self, worker_id: int) -> None:
         """End one worker's session (a retired worker): a guest's on its host; else its
@@ -273,26 +278,28 @@ class WorkerGroup:
         if self._stopped:
             return
         self._stopped = True
-        if not ray.is_initialized():
+        # It may run on the reaper thread (a dropped iterator) while the user shuts Ray
+        # down: its calls never start Ray (dpex._ray_guard).
+        if not _ray_guard.ray_up():
             return
         for worker_id in list(self._guests):  # first: then their hosts are idle
             self._end_guest(worker_id)
         for actor in self._parked:
             try:
-                ray.kill(actor, no_restart=True)  # a retired host (never reused)
+                _ray_guard.kill(actor)  # a retired host (never reused)
             except Exception:
                 pass
         for worker_id, actor in self.actors.items():
             ref = self._calls.get(worker_id)
             if self.keep_s > 0 and ref is not None:
                 try:
-                    ray.cancel(ref)  # an async actor's task: its serve() ends and cleans up
+                    _ray_guard.cancel(ref)  # an async actor's task: serve() ends, cleans up
                 except Exception:
                     pass  # finished already, or its worker is gone (the pool finds out)
                 POOL.give_back(actor, ref, self._key, self.nodes.get(worker_id), self.keep_s)
                 continue
             try:
-                ray.kill(actor, no_restart=True)
+                _ray_guard.kill(actor)
             except Exception:
                 pass  # already gone
 
@@ -410,15 +417,15 @@ class FleetGroup:
     def _cancel(self, worker_id: int) -> None:
         ref = self._calls.pop(worker_id, None)
         if ref is not None:
-            try:
-                ray.cancel(ref)  # an async actor's task: its serve() ends and cleans up
+            try:  # (from stop(), maybe on the reaper thread: never starts Ray)
+                _ray_guard.cancel(ref)  # an async actor's task: its serve() ends, cleans up
             except Exception:
-                pass  # already finished, or its worker is gone
+                pass  # already finished, its worker is gone, or Ray shut down
 
     def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
-        if ray.is_initialized():
+        if _ray_guard.ray_up():
             for worker_id in list(self._calls):
                 self._cancel(worker_id)

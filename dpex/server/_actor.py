@@ -136,9 +136,13 @@ class DpexWorker:
                  warm: bool = False, fleet_setting: dict | None = None) -> None:
         """``pooled``: a fleet worker (every session in a process of its own); ``warm``:
         a trainer's worker that may serve its later iterators (each in a process of its
-        own). Both start the forkserver those processes fork from now, in the
-        background, so that no session waits for it. ``fleet_setting``: how its fleet
-        was started (``dpex fleet scale`` starts more workers the same way)."""
+        own). A fleet worker starts the forkserver those processes fork from now, in
+        the background, so that no session waits for it; a warm worker's first
+        session runs here and may be its only one (``persistent_workers``, a single
+        iterator): its forkserver (~170 MiB PSS beside the actor's ~200) starts once
+        the warm pool keeps it idle (:meth:`keep`), or when a session first forks
+        (docs/WARM_WORKERS.md). ``fleet_setting``: how its fleet was started
+        (``dpex fleet scale`` starts more workers the same way)."""
         self.session_timeout = session_timeout
         self.pooled = pooled
         self.fleet_setting = fleet_setting
@@ -151,8 +155,16 @@ class DpexWorker:
         self._lock = threading.Lock()
         self._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
                           "control_rejected": 0}
-        if pooled or warm:
-            threading.Thread(target=prestart, name="dpex-forkserver", daemon=True).start()
+        self._forkserver: threading.Thread | None = None
+        if pooled:
+            self._start_forkserver()
+
+    def _start_forkserver(self) -> None:
+        """Start the forkserver in the background (imports torch and Ray: seconds), once."""
+        if self._forkserver is None:
+            self._forkserver = threading.Thread(target=prestart, name="dpex-forkserver",
+                                                daemon=True)
+            self._forkserver.start()
 
     def reusable(self) -> bool:
         """Whether this worker may serve a later iterator of its trainer (the warm
@@ -162,6 +174,15 @@ class DpexWorker:
         torch worker does: nothing of this process's module state reaches it."""
         return (not self._sessions and not any(t.is_alive() for t in self._computes)
                 and not self._children)
+
+    def keep(self) -> bool:
+        """:meth:`reusable`, asked by the warm pool before it keeps this worker idle;
+        if so, the forkserver its next session forks from starts now, while it idles
+        (a session that had to wait for it would wait seconds)."""
+        reusable = self.reusable()
+        if reusable:
+            self._start_forkserver()
+        return reusable
 
     def fleet_stats(self) -> dict:
         """Placement, versions and traffic so far (``dpex fleet status``)."""

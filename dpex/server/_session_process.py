@@ -22,6 +22,7 @@ import multiprocessing.util
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +34,34 @@ __all__ = ["SessionProcess", "prestart"]
 COUNTERS = ("batches_sent", "bytes_sent", "control_rejected")
 _PRELOAD = ["ray", "dpex.server._actor"]  # what every session would import again
 STOP_GRACE_S = 15.0  # the session's own clean-up waits 10 s at most for its fetch
+
+
+def _process_state() -> tuple[dict, list, str | None]:
+    try:
+        cwd: str | None = os.getcwd()
+    except OSError:  # (removed under it)
+        cwd = None
+    return dict(os.environ), list(sys.path), cwd
+
+
+# This process's state as the worker started (this module is imported with the actor
+# class, before any session). Each session's process starts from it: the forkserver
+# inherits the environment, working directory and sys.path of the moment it starts,
+# and a warm worker starts it only after its first session, which ran in the actor
+# and may have changed them (a worker_init_fn setting a variable).
+_START_STATE = _process_state()
+
+
+def _restore(state: tuple[dict, list, str | None]) -> None:
+    environ, path, cwd = state
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
+    if cwd is not None:
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass  # gone since: stay where the forkserver is
 
 
 def _context() -> Any:
@@ -101,7 +130,7 @@ class SessionProcess:
         self._proc = ctx.Process(
             target=_main, name=f"dpex-session-{spec.worker_id}", daemon=True,
             args=(worker_class, spec, shipped, placement, session_timeout, self.counts,
-                  child_end, ray_address))
+                  child_end, ray_address, _START_STATE))
         self._lock = threading.Lock()  # start and stop run on executor threads
         self._stopped = False
         self._outcome: BaseException | None = None
@@ -174,8 +203,11 @@ class SessionProcess:
 
 def _main(worker_class: type, spec: Any, shipped: bytes, placement: dict,
           session_timeout: float, counts: Any, conn: Connection,
-          ray_address: str | None = None) -> None:
+          ray_address: str | None = None,
+          start_state: tuple[dict, list, str | None] | None = None) -> None:
     """The child: serve one session until it ends, the fleet worker asks, or dies."""
+    if start_state is not None:
+        _restore(start_state)  # as the worker started, not as its forkserver did
     if ray_address:
         # Ray is imported here but not connected (the forkserver never was): the first
         # Ray call of the dataset's code (or an object ref or actor handle it holds,
