@@ -83,6 +83,15 @@ def test_no_import_circle():
         visit(module, [])
 
 
+def test_the_package_map_gives_every_module_a_line():
+    listed = (PACKAGE / "README.md").read_text()
+    files = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")]
+    # (the sides' empty __init__.py files are no modules of their own)
+    missing = sorted(str(f) for f in files if f"`{f}`" not in listed
+                     and not (f.name == "__init__.py" and len(f.parts) > 1))
+    assert not missing, f"dpex/README.md has no line for {missing}"
+
+
 def test_the_loader_takes_every_dpex_setting_by_its_name_and_default():
     import dataclasses
     import inspect

@@ -39,6 +39,7 @@ from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._stats import Latencies, LoaderStats
 from dpex._version import local_versions
 from dpex.client._autoscaler import Autoscaler
+from dpex.client._deadlines import Deadlines, Due
 from dpex.client._elastic import ElasticWorkers, mean
 from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
 from dpex.client._scheduler import (
@@ -216,8 +217,9 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
                 )
                 for w in range(self._num_workers)
             ]
-            self._startup_deadline = time.monotonic() + self._startup_timeout
-            self._placement_check_at: float | None = time.monotonic() + _PLACEMENT_GRACE_S
+            self._deadlines = Deadlines(
+                time.monotonic(), timeout=self._timeout, startup_timeout=self._startup_timeout,
+                lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
             self._shipped, self._shipped_reused = _ship(loader, shipped)
             self._shipped_bytes = len(shipped)
             self._runtime.workers.start(self._specs, self._shipped)
@@ -232,7 +234,6 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
             lost_floor=_LOST_FLOOR_ITERABLE_S if self._dataset_kind == _DatasetKind.Iterable
             else _LOST_FLOOR_S,
             first_batch_timeout=config.startup_timeout)  # (its loading counts)
-        self._lost_check_at = time.monotonic() + _LOST_CHECK_S
         self._added_at: dict[int, float] = {}
         self._waited_total, self._taken_total = 0.0, 0  # over the iterator's life
         self._autoscaler: Autoscaler | None = None
@@ -361,7 +362,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         ``until``, for none past that monotonic time)."""
         if self._runtime.closed:
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
-        if time.monotonic() >= self._lost_check_at:
+        if self._deadlines.lost_due(time.monotonic()):
             self._check_lost()
         event = self._wait_event(until)
         if event is None:
@@ -385,45 +386,34 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         workers start); with no timeout, wake every few seconds to check the loop lives.
         None once ``until`` (a monotonic time) has passed without one."""
         starting = not self._sched.workers.all_ready()
-        if starting:
-            deadline: float | None = self._startup_deadline
-        elif self._timeout > 0:
-            deadline = time.monotonic() + self._timeout
-        else:
-            deadline = None
+        deadline = self._deadlines.wait_deadline(time.monotonic(), starting)
         while True:
             try:  # what already arrived counts, however late this thread came to look
                 return self._handoff.get_nowait()
             except queue.Empty:
                 pass
-            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-            wait = min(wait, self._lost_check_at - time.monotonic())  # lost batches?
-            if until is not None:
-                if time.monotonic() >= until:
-                    return None
-                wait = min(wait, until - time.monotonic())
-            if wait <= 0:
+            due, wait = self._deadlines.next(time.monotonic(), deadline, starting, until)
+            if due is Due.STARTUP_TIMED_OUT:
+                raise self._startup_failure()
+            if due is Due.TIMED_OUT:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            if due is Due.UNTIL:
+                return None
+            if due is Due.LOST_CHECK:
                 self._check_lost()
                 continue
-            if starting and self._placement_check_at is not None:
-                wait = min(wait, self._placement_check_at - time.monotonic())
-                if wait <= 0:
-                    self._check_placement()
-                    continue
-            if wait > 0:
-                try:
-                    return self._handoff.get(timeout=wait)
-                except queue.Empty:
-                    pass
+            if due is Due.PLACEMENT_CHECK:
+                self._check_placement()
+                continue
+            try:
+                return self._handoff.get(timeout=wait)
+            except queue.Empty:
+                pass
             if not self._loop.running:
                 raise EventLoopError("the dpex event-loop thread stopped unexpectedly")
-            if deadline is not None and time.monotonic() >= deadline:
-                if starting:
-                    raise self._startup_failure()
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
 
     def _check_lost(self) -> None:
-        self._lost_check_at = time.monotonic() + _LOST_CHECK_S
+        self._deadlines.lost_checked(time.monotonic())
         self._apply(self._sched.check_lost())
         self._give_up_unstarted()
 
@@ -543,8 +533,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
     def _start_replacement(self, w: int, incarnation: int) -> None:
         """Start a replacement with the same worker id (same seed, worker_init_fn run
         again); the scheduler sends it its tasks."""
-        self._startup_deadline = time.monotonic() + self._startup_timeout
-        self._placement_check_at = time.monotonic() + _PLACEMENT_GRACE_S
+        self._deadlines.starting(time.monotonic())
         old = self._specs[w].ring
         if old is not None:
             self._loop.call_soon(self._session.retire_ring, old.ring_id)
@@ -570,7 +559,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
     def _check_placement(self) -> None:
         """Once per start-up: warn if the workers still missing wait for resources
         that the cluster does not have free (they reserve some; by default none)."""
-        self._placement_check_at = None
+        self._deadlines.placement_checked()
         missing = sorted(set(range(self._num_workers)) - set(self._ready))
         message = self._runtime.workers.placement_warning(missing)
         if message:

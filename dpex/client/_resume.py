@@ -64,13 +64,6 @@ def _rng_state(generator: torch.Generator | None) -> torch.Tensor:
     return generator.get_state() if generator is not None else torch.get_rng_state()
 
 
-def _set_rng_state(generator: torch.Generator | None, state: torch.Tensor) -> None:
-    if generator is not None:
-        generator.set_state(state)
-    else:
-        torch.set_rng_state(state)
-
-
 @contextlib.contextmanager
 def _forked_global(state: torch.Tensor) -> Iterator[None]:
     """torch's global RNG at ``state`` inside, and as it was before afterwards: dpex

@@ -17,7 +17,7 @@ event                      actions it may return
                            (SKIP) and ``SendTasks``
 ``check_lost()``           ``SendTasks`` / ``KillWorker`` for silent workers
 ``add_worker(draw)``       ``StartWorker``, ``SendTasks`` for the credit it adds
-``retire_worker(draw)``    ``SendTasks`` (its queued tasks, to others), later
+``retire_worker(w)``       ``SendTasks`` (its queued tasks, to others), later
                            ``StopWorker`` once it holds nothing
 =========================  ===================================================
 
