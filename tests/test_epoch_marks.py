@@ -11,7 +11,7 @@ import zmq.asyncio
 
 from dpex._epoch_marks import AppliedMarks, SentMarks
 from dpex._protocol import Kind, Wire
-from dpex.server._actor import _RESUME, _SKIP, DpexWorker
+from dpex.server._session import _RESUME, _SKIP, SessionServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,14 +51,12 @@ async def test_a_lost_resume_and_skip_are_applied_before_the_tasks_that_need_the
     dealer.connect(f"tcp://127.0.0.1:{port}")
     await dealer.send(b"hi")
     await asyncio.wait_for(router.recv_multipart(), 5)
-    worker = DpexWorker.__new__(DpexWorker)
-    worker.session_timeout = 30
-    worker._count_rejected = lambda: None
+    worker = SessionServer({}, 30.0, count=lambda n: None, count_rejected=lambda: None)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     spec = type("Spec", (), {"wire": wire})
     session = type("Session", (), {"epoch_floor": 0, "stop": asyncio.Event(),
                                    "marks": AppliedMarks()})()
-    reader = asyncio.ensure_future(worker._read_control(dealer, spec, inbox, session))
+    reader = asyncio.ensure_future(worker.read_control(dealer, spec, inbox, session))
     try:
         sent = SentMarks()
         sent.resume(0, 2, "seed-2")  # RESUME (control seq 0) and SKIP (1) were lost

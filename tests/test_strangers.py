@@ -22,6 +22,7 @@ from dpex._transport import encode_data
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
 from dpex.server._actor import DpexWorker
+from dpex.server._session import SessionServer
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
@@ -171,10 +172,9 @@ async def test_a_replayed_or_reordered_control_message_is_rejected_and_counted()
     """A worker acts on each control message once: a TASKS message delivered again
     (or an older one after a newer) neither repeats nor drops a shard's batches."""
     wire = Wire.new()
-    worker = DpexWorker.__new__(DpexWorker)  # its control reader only: no Ray here
-    worker.session_timeout = 30.0
-    worker._lock = threading.Lock()
-    worker._counters = {"control_rejected": 0}
+    rejected = []
+    worker = SessionServer({}, 30.0, count=lambda n: None,  # its control reader only
+                           count_rejected=lambda: rejected.append(1))
     ctx = zmq.asyncio.Context()
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     for s in (router, dealer):
@@ -188,7 +188,7 @@ async def test_a_replayed_or_reordered_control_message_is_rejected_and_counted()
     spec = type("Spec", (), {"wire": wire})
     session = type("Session", (), {"epoch_floor": 0, "stop": asyncio.Event(),
                                    "marks": AppliedMarks()})()
-    reader = asyncio.ensure_future(worker._read_control(dealer, spec, inbox, session))
+    reader = asyncio.ensure_future(worker.read_control(dealer, spec, inbox, session))
     try:
         first = wire.encode(Kind.TASKS, 1, 0, 0, ([(0, [0, 1])], None))
         second = wire.encode(Kind.TASKS, 1, 1, 0, ([(1, [2, 3])], None))
@@ -200,7 +200,7 @@ async def test_a_replayed_or_reordered_control_message_is_rejected_and_counted()
             got.append(await asyncio.to_thread(inbox.get, timeout=5))
         await asyncio.sleep(0.2)
         assert got == [(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4])] and inbox.empty()
-        assert worker._counters["control_rejected"] == 2
+        assert len(rejected) == 2  # counted (the worker adds it to its fleet_stats)
     finally:
         reader.cancel()
         ctx.destroy(0)
@@ -218,6 +218,8 @@ def bare_worker(session_timeout: float) -> DpexWorker:
     worker._lock = threading.Lock()
     worker._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
                         "control_rejected": 0}
+    worker._server = SessionServer(worker.placement, session_timeout, worker._count,
+                                   worker._count_rejected, worker._sessions, worker._computes)
     return worker
 
 

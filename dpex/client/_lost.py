@@ -62,14 +62,22 @@ class LossWatch:
         self._past_first.discard(worker_id)
         self._flagged.pop(worker_id, None)
 
-    def result(self, worker_id: int, seq: int,
-               outstanding: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-        """A result of ``worker_id`` arrived: the tasks of ``outstanding`` (the worker's)
-        that it overtook, which were lost."""
-        now = self.clock()
+    def batch_time(self, worker_id: int, seq: int, now: float) -> float | None:
+        """How long ``worker_id`` took for ``seq``, arriving ``now``: from when it could
+        start it (its previous result or HELLO, or the task's (re)sending if later).
+        The one definition: the scheduler reports it too (the autoscaler's input)."""
         sent = self._order.get(seq)
-        if worker_id in self._past_first and sent is not None:
-            self._batch_times.append(now - max(self._last[worker_id], sent[1]))
+        return None if sent is None else now - max(self._last[worker_id], sent[1])
+
+    def result(self, worker_id: int, seq: int, outstanding: list[tuple[int, Any]],
+               now: float | None = None) -> list[tuple[int, Any]]:
+        """A result of ``worker_id`` arrived (``now``): the tasks of ``outstanding`` (the
+        worker's) that it overtook, which were lost."""
+        now = self.clock() if now is None else now
+        sent = self._order.get(seq)
+        took = self.batch_time(worker_id, seq, now)
+        if worker_id in self._past_first and took is not None:
+            self._batch_times.append(took)
         self._past_first.add(worker_id)
         self._last[worker_id] = now
         self._flagged.pop(worker_id, None)

@@ -151,12 +151,9 @@ class EpochScheduler:
         # when ``group`` have gathered, when a worker has nothing else to do, or when
         # the training loop is about to wait for the one slot that is unsent.
         self._unsent: dict[int, list[tuple[int, Any]]] = {}
-        self._skipped: dict[int, int] = {}  # a resumed epoch's batches delivered before
-        # Each worker's time per batch, measured here: from when it could start a task
-        # (sent, its previous result in, or ready) to the result (the autoscaler's input).
+        # The workers' recent times per batch (LossWatch.batch_time: from when a worker
+        # could start a task to its result), the autoscaler's input.
         self.batch_times: collections.deque[float] = collections.deque(maxlen=64)
-        self._sent_at: dict[int, float] = {}
-        self._free_at: dict[int, float] = {}
 
     @property
     def num_workers(self) -> int:
@@ -202,7 +199,6 @@ class EpochScheduler:
         self.workers.new_epoch()
         self._turn = first_worker % len(self.workers)
         self._unsent = {}
-        self._sent_at = {}
         if self.epoch > 1:
             self._out += [Control(r.id, Kind.RESUME, self.epoch, resume)
                           for r in self.workers.live()]
@@ -210,9 +206,10 @@ class EpochScheduler:
             rec = self.workers[w]
             rec.active, rec.ended_seq = False, -1
         self._stop_drained()
-        self._skipped = dict(skips or {})
-        self._out += [Control(w, Kind.SKIP, self.epoch, n) for w, n in self._skipped.items()
-                      if n]
+        for w, n in (skips or {}).items():
+            self.workers[w].skipped = n
+        self._out += [Control(r.id, Kind.SKIP, self.epoch, r.skipped)
+                      for r in self.workers.records if r.skipped]
         self._dispatch(draw, self.capacity)
         self._flush()
         return self._actions()
@@ -284,11 +281,9 @@ class EpochScheduler:
         if only_if_needed and sum(map(len, self._unsent.values())) < self.group and not any(
                 self._starving(w) for w in self._unsent):
             return
-        now = self.clock()
         for w, tasks in self._unsent.items():
             for seq, _ in tasks:
                 self.losses.sent(seq)
-                self._sent_at[seq] = now
             self._out.append(SendTasks(w, self.epoch, tasks))
         self._unsent = {}
 
@@ -333,7 +328,6 @@ class EpochScheduler:
             self.workers[self.ledger.worker_of(seq)].shard.taken(seq)
         self.ledger.consumed(seq)
         self.losses.forget(seq)
-        self._sent_at.pop(seq, None)  # (a result that came from another worker first)
         self._dispatch(draw, 1)
 
     # -- what the workers send ----------------------------------------------------------
@@ -373,15 +367,15 @@ class EpochScheduler:
         # same batch, and the first copy to arrive counts.)
         fresh = self.ledger.received(msg.seq)
         self.workers[msg.worker_id].batches += fresh
+        now = msg.received_at if msg.received_at is not None else self.clock()
         if fresh and msg.worker_id == owner:
-            now = msg.received_at if msg.received_at is not None else self.clock()
-            start = max(self._sent_at.pop(msg.seq, now), self._free_at.get(owner, now))
-            if start < now:
-                self.batch_times.append(now - start)
-            self._free_at[owner] = now
+            took = self.losses.batch_time(owner, msg.seq, now)
+            if took is not None and took > 0:
+                self.batch_times.append(took)
         if msg.worker_id == owner:  # a duplicate can overtake a loss too
             lost = self.losses.result(  # (nothing left to overtake: no sort per batch)
-                owner, msg.seq, self.ledger.outstanding(owner) if self.ledger.pending(owner) else [])
+                owner, msg.seq, self.ledger.outstanding(owner) if self.ledger.pending(owner) else [],
+                now)
             if lost:
                 self.counters["lost"] += len(lost)
                 self._recompute(owner, lost)
@@ -398,7 +392,6 @@ class EpochScheduler:
         """The current incarnation of ``worker_id`` said HELLO."""
         rec = self.workers[worker_id]
         rec.info = rec.known = info
-        self._free_at[worker_id] = self.clock()
         if rec.first_ready_at is None:
             rec.first_ready_at = self.clock()
         self.losses.alive(worker_id)
@@ -452,7 +445,7 @@ class EpochScheduler:
             # the first one missing, then redoes every task from there on (results that
             # did arrive come again as duplicates and are dropped).
             at, tasks = rec.shard.from_seq(min((seq for seq, _ in tasks), default=None))
-            at += self._skipped.get(w, 0)  # (a resumed epoch: delivered before it too)
+            at += rec.skipped  # (a resumed epoch: delivered before it too)
             if at:
                 self._out.append(Control(w, Kind.SKIP, self.epoch, at))
         elif self._hand_over(w, tasks):

@@ -59,6 +59,7 @@ class WorkerRecord:
     active: bool = True  # this epoch: still has data (an IterableDataset's shard)
     shard: ShardTasks = field(default_factory=ShardTasks)  # an IterableDataset's, this epoch
     ended_seq: int | None = None  # the slot of its END this epoch (IterableDataset)
+    skipped: int = 0  # a resumed epoch: its batches delivered before the resume
     batches: int = 0  # its results that counted, this iterator
     first_ready_at: float | None = None
     added: bool = False  # started during the iteration (elastic), not with it
@@ -111,6 +112,7 @@ class WorkerTable:
     def new_epoch(self) -> None:
         for rec in self.records:
             rec.active, rec.shard, rec.ended_seq = not rec.gone, ShardTasks(), None
+            rec.skipped = 0
 
     def all_ready(self) -> bool:
         """The iterator's own workers are ready (one added while it runs is waited for

@@ -1,57 +1,22 @@
-"""The worker actor: an asyncio streaming server for its sessions.
-
-It receives tasks on a DEALER socket connected to the trainer's ROUTER (on its
-asyncio loop, which stays responsive to control messages and shutdown) and
-hands them to one compute thread that runs fetch / collate / encode and pushes
-each result as one multipart message to the trainer's PULL socket.
+"""The worker actor: an asyncio server for its sessions, each served in this process
+(:class:`~dpex.server._session.SessionServer`) or in a process of its own
+(:mod:`dpex.server._session_process`, whose child runs :class:`SessionWorker`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import os
-import queue
 import threading
 import weakref
 from typing import Any
 
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-
-from dpex._addresses import ACCEPT_FROM_ENV, ADVERTISE_ENV, PORT_RANGE_ENV
-from dpex._epoch_marks import AppliedMarks
-from dpex._protocol import Kind, ProtocolError, worker_identity
-from dpex._security import ControlFreshness, connect_promptly
-from dpex._shm import RingUnavailable, WorkerRing
 from dpex._spec import WorkerSpec
 from dpex._version import local_versions
-from dpex.errors import WorkerStartupError
+from dpex.server._session import Session, SessionServer
 from dpex.server._session_process import SessionProcess, prestart
-from dpex.server._task_runner import TaskRunner
-from dpex.server._trainer_state import leave_trainer_state
 
-__all__ = ["DpexWorker"]
-
-_RNG_WAIT_S = 5.0  # how long an RNG_QUERY answer waits for the compute thread to get there
-_RESUME = object()
-_SKIP = object()
-
-
-def _set_thread_niceness(niceness: int) -> None:
-    """Run the calling thread (and the threads it starts) at ``niceness``.
-
-    Ray starts its workers at niceness 15, so on a node shared with the trainer they
-    lose every contest for a CPU; torch's workers run at the trainer's priority and
-    so do dpex's where the OS allows it (lowering niceness may need CAP_SYS_NICE).
-    On Linux niceness is per thread, hence one call in each thread that computes.
-    """
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, niceness)
-    except OSError:
-        pass  # not permitted: stay at Ray's niceness
+__all__ = ["DpexWorker", "SessionWorker"]
 
 
 def _placement() -> dict:
@@ -72,58 +37,6 @@ def _ray_address() -> str | None:
         return ray.get_runtime_context().gcs_address
     except Exception:  # (not in a Ray worker: a test's direct instance)
         return None
-
-
-class _Session:
-    """What one ``serve`` call (one trainer iterator, one worker id) shares between
-    its asyncio side and its compute thread."""
-
-    def __init__(self) -> None:
-        self.stop = asyncio.Event()
-        self.epoch_floor = 0  # tasks of earlier epochs (abandoned) are skipped
-        self.marks = AppliedMarks()  # RESUME / SKIP applied (once each, however they came)
-        self.runner: TaskRunner | None = None  # set by the compute thread once loaded
-        self.answers: set[asyncio.Task] = set()  # RNG_QUERY answers being prepared
-
-
-class _ConnectionLog:
-    """What happened to the control socket's connection (ZeroMQ's monitor events), for
-    the error that says why the trainer was never heard from."""
-
-    def __init__(self, sock: zmq.asyncio.Socket, hello: list | None = None) -> None:
-        self.sock = sock
-        self.monitor = sock.get_monitor_socket()
-        self.events: collections.Counter[str] = collections.Counter()
-        self.hello = hello  # sent again on every reconnection
-
-    async def run(self) -> None:
-        while True:
-            event = parse_monitor_message(await self.monitor.recv_multipart())["event"]
-            name = getattr(event, "name", str(event))
-            self.events[name] += 1
-            if name == "HANDSHAKE_SUCCEEDED" and self.events[name] > 1 and self.hello:
-                # A new connection after a lost one (heartbeats closed it, a link cut):
-                # announce again, so the trainer sends what it held back meanwhile.
-                await self.sock.send_multipart(self.hello)
-
-    def unreachable(self, spec: WorkerSpec, node: str, waited: float) -> WorkerStartupError:
-        seen = ", ".join(f"{name} x{n}" for name, n in self.events.items()) or "none"
-        failed = [name for name in self.events if name.startswith("HANDSHAKE_FAILED")]
-        why = (f"the security handshake failed ({', '.join(failed)}): do trainer and "
-               "workers run the same dpex version?" if failed else
-               "the trainer's address or port is not reachable from this node (a firewall, "
-               f"or an address of the trainer's host that this node cannot route to): set "
-               f"{ADVERTISE_ENV} to an address of the trainer's host that the workers can "
-               f"reach, {PORT_RANGE_ENV} (e.g. 50000-50100) to ports the firewall lets "
-               f"through, and in the trainer {ACCEPT_FROM_ENV} to the subnets the workers "
-               "connect from (the trainer closes any other connection at once)")
-        return WorkerStartupError(
-            f"dpex worker {spec.worker_id} on node {node} heard nothing from the trainer at "
-            f"{spec.control_address} (data: {spec.data_address}) within {waited:g} s; "
-            f"{why}. Socket events: {seen}")
-
-    def close(self) -> None:
-        self.monitor.close(0)
 
 
 class DpexWorker:
@@ -149,13 +62,15 @@ class DpexWorker:
         self.draining = False
         self.placement = _placement()
         self._ray_address = _ray_address()  # for Ray calls in its sessions' processes
-        self._sessions: set[_Session] = set()
+        self._sessions: set[Session] = set()
         self._computes: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._children: set[SessionProcess] = set()  # pooled sessions' processes
         self._lock = threading.Lock()
         self._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
                           "control_rejected": 0}
         self._forkserver: threading.Thread | None = None
+        self._server = SessionServer(self.placement, session_timeout, self._count,
+                                     self._count_rejected, self._sessions, self._computes)
         if pooled:
             self._start_forkserver()
 
@@ -233,7 +148,7 @@ class DpexWorker:
         loop = asyncio.get_running_loop()
         child = SessionProcess(SessionWorker, spec, shipped, self.placement,
                                self.session_timeout, self._ray_address)
-        session = _Session()
+        session = Session()
         self._sessions.add(session)
         with self._lock:
             self._children.add(child)
@@ -250,213 +165,20 @@ class DpexWorker:
         child.raise_outcome()
 
     async def _serve_here(self, spec: WorkerSpec, shipped: bytes) -> None:
-        """Serve one session in this process.
-
-        This (asyncio) thread owns the control socket and feeds tasks to one compute
-        thread, which owns the data socket and does fetch → collate → encode → send
-        with no thread hop per batch.
-        """
-        loop = asyncio.get_running_loop()
-        # Every message this incarnation sends says which it is (a late one is known).
-        spec = dataclasses.replace(spec, wire=dataclasses.replace(
-            spec.wire, incarnation=spec.incarnation))
-        _set_thread_niceness(spec.niceness)  # this loop thread, and zmq's I/O thread below
-        ctx = zmq.asyncio.Context()
-        ctrl = ctx.socket(zmq.DEALER)
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        halt = threading.Event()
-        done: asyncio.Future = loop.create_future()
-        session = _Session()
-        ring, transport = _attach_ring(spec, self.placement["node_id"])
-        compute = threading.Thread(target=self._compute, name="dpex-compute", daemon=True,
-                                   args=(spec, shipped, ring, inbox, halt, loop, done, session))
-        self._sessions.add(session)
-        self._computes.add(compute)
-        log: _ConnectionLog | None = None
-        watcher: asyncio.Future | None = None
-        try:
-            ctrl.setsockopt(zmq.LINGER, 0)
-            ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation))
-            spec.keys.apply(ctrl)
-            connect_promptly(ctrl)
-            hello = {"versions": local_versions(), **self.placement,
-                     "niceness": os.getpriority(os.PRIO_PROCESS, 0), "transport": transport}
-            hello_frames = spec.wire.encode(Kind.HELLO, worker_id=spec.worker_id, payload=hello)
-            log = _ConnectionLog(ctrl, hello_frames)
-            watcher = asyncio.ensure_future(log.run())
-            ctrl.connect(spec.control_address)
-            # HELLO as soon as the actor is up: start-up time is placement and process start.
-            # Loading the dataset and worker_init_fn count, as in torch, towards the
-            # first batch (and torch's ``timeout``).
-            await ctrl.send_multipart(hello_frames)
-            compute.start()
-            reader = asyncio.ensure_future(self._read_control(ctrl, spec, inbox, session, log))
-            stopper = asyncio.ensure_future(session.stop.wait())
-            try:
-                await asyncio.wait({reader, stopper, done}, return_when=asyncio.FIRST_COMPLETED)
-                if reader.done():
-                    reader.result()  # re-raise what ended the reader
-                if done.done():
-                    done.result()  # re-raise what ended the compute thread
-            finally:
-                reader.cancel()
-                stopper.cancel()
-                for answer in session.answers:
-                    answer.cancel()
-        finally:
-            self._sessions.discard(session)
-            halt.set()
-            inbox.put(None)
-            if compute.is_alive():
-                await loop.run_in_executor(None, compute.join, 10.0)
-            leave_trainer_state()  # the node's own directory and env again
-            if watcher is not None:
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
-            if log is not None:
-                log.close()
-            ctrl.close(0)
-            ctx.term()
-            if ring is not None and not compute.is_alive():
-                ring.close()
-
-    def _compute(self, spec: WorkerSpec, shipped: bytes, ring: WorkerRing | None,
-                 inbox: queue.SimpleQueue, halt: threading.Event,
-                 loop: asyncio.AbstractEventLoop, done: asyncio.Future,
-                 session: _Session) -> None:
-        _set_thread_niceness(spec.niceness)
-        ctx = zmq.Context()
-        data = ctx.socket(zmq.PUSH)
-        data.setsockopt(zmq.LINGER, 0)
-        data.setsockopt(zmq.SNDTIMEO, 500)  # so a send never outlives ``halt`` for long
-        spec.keys.apply(data)
-        connect_promptly(data)
-        data.connect(spec.data_address)
-        try:
-            node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
-            state = TaskRunner(spec, shipped, node, ring)
-            session.runner = state
-            while not halt.is_set():
-                try:
-                    item = inbox.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                if item is None:
-                    break
-                if item[0] is _RESUME:
-                    state.resume(item[1], epoch=item[2])
-                    continue
-                if item[0] is _SKIP:
-                    state.skip(item[1], epoch=item[2])
-                    continue
-                epoch, seq, indices = item
-                if epoch < session.epoch_floor:
-                    continue  # a task of an abandoned epoch: not worth computing
-                frames = state.run_task(epoch, seq, indices)
-                while not halt.is_set():
-                    try:
-                        data.send_multipart(frames, copy=False)
-                        self._count(sum(memoryview(f).nbytes for f in frames))
-                        break
-                    except zmq.Again:
-                        continue
-            outcome: tuple = (done.set_result, None)
-        except BaseException as exc:
-            outcome = (done.set_exception, exc)
-        finally:
-            data.close(0)
-            ctx.term()
-        loop.call_soon_threadsafe(_settle, done, *outcome)
-
-    async def _read_control(self, ctrl: zmq.asyncio.Socket, spec: WorkerSpec,
-                            inbox: queue.SimpleQueue, session: _Session,
-                            log: _ConnectionLog | None = None) -> None:
-        fresh = ControlFreshness()
-        heard = False
-        while True:
-            try:
-                frames = await asyncio.wait_for(ctrl.recv_multipart(), self.session_timeout)
-            except asyncio.TimeoutError:
-                if heard or log is None:
-                    return  # the trainer stopped pinging: it is gone, the session ends
-                node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
-                raise log.unreachable(spec, node, self.session_timeout) from None
-            heard = True
-            try:
-                msg = spec.wire.decode(frames)
-            except ProtocolError:
-                continue
-            if not fresh.accept(msg.seq):  # delivered before (a replay) or out of order
-                self._count_rejected()
-                continue
-            if msg.kind is Kind.TASKS:
-                tasks, marks = msg.payload
-                # A RESUME or SKIP lost with a connection comes with the tasks that need it.
-                for mark, payload, epoch in session.marks.repair(marks):
-                    if mark == "resume":
-                        session.epoch_floor = epoch
-                    inbox.put((_RESUME if mark == "resume" else _SKIP, payload, epoch))
-                for seq, indices in tasks:
-                    inbox.put((msg.epoch, seq, indices))
-            elif msg.kind is Kind.RESUME:
-                if session.marks.resume(msg.epoch):
-                    session.epoch_floor = msg.epoch  # tasks of earlier epochs are skipped
-                    inbox.put((_RESUME, msg.payload, msg.epoch))
-            elif msg.kind is Kind.SKIP:
-                if session.marks.skip(msg.epoch, msg.payload):
-                    inbox.put((_SKIP, msg.payload, msg.epoch))
-            elif msg.kind is Kind.RNG_QUERY:
-                answer = asyncio.ensure_future(
-                    self._answer_rng(ctrl, spec, session, msg.epoch, msg.payload))
-                session.answers.add(answer)
-                answer.add_done_callback(session.answers.discard)
-            elif msg.kind is Kind.STOP:
-                session.stop.set()
+        """Serve one session in this process (:class:`SessionServer`)."""
+        await self._server.serve(spec, shipped)
 
 
-    @staticmethod
-    async def _answer_rng(ctrl: zmq.asyncio.Socket, spec: WorkerSpec, session: _Session,
-                          epoch: int, seq: int) -> None:
-        """Answer RNG_QUERY: the RNG states right after task ``seq`` of ``epoch`` (-1:
-        when the epoch began). The compute thread may not be there yet (its runner still
-        loading, a RESUME still queued): wait for it a little, then answer None."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _RNG_WAIT_S
-        while True:
-            runner = session.runner
-            rng = runner.rng_after(epoch, seq) if runner is not None else None
-            if rng is not None or loop.time() > deadline:
-                break
-            await asyncio.sleep(0.01)
-        try:
-            frames = spec.wire.encode(Kind.RNG_STATE, epoch, seq, spec.worker_id, rng)
-        except Exception:  # a dataset state that cannot be pickled: the RNG states alone
-            rng = {k: v for k, v in (rng or {}).items() if k != "dataset"} or None
-            frames = spec.wire.encode(Kind.RNG_STATE, epoch, seq, spec.worker_id, rng)
-        size = len(frames[2])
-        if size > spec.wire.max_message_bytes:  # the trainer's socket would cut it unseen
-            frames = spec.wire.encode(Kind.RNG_STATE, epoch, seq, spec.worker_id, {
-                "error": f"worker {spec.worker_id}'s RNG and dataset state is {size:,} "
-                         f"bytes, over max_message_bytes={spec.wire.max_message_bytes:,}: "
-                         "raise DpexDataLoader(max_message_bytes=...) or keep less in the "
-                         "dataset's state_dict()"})
-        await ctrl.send_multipart(frames)
-
-
-class SessionWorker(DpexWorker):
+class SessionWorker:
     """A session's own process (:mod:`dpex.server._session_process`; a fleet's, or one
     on a warm worker): serves one session and counts its traffic into memory the worker
     reads."""
 
     def __init__(self, placement: dict, session_timeout: float, counts: Any) -> None:
-        self.session_timeout = session_timeout
-        self.pooled = False
         self.placement = {**placement, "session_pid": os.getpid()}
-        self._sessions = set()
-        self._computes = weakref.WeakSet()
-        self._children = set()
-        self._lock = threading.Lock()
         self._counts = counts  # COUNTERS order: batches, bytes, control rejected
+        self._server = SessionServer(self.placement, session_timeout, self._count,
+                                     self._count_rejected)
 
     def _count(self, nbytes: int) -> None:
         self._counts[0] += 1  # one writer: this session's compute thread
@@ -468,7 +190,7 @@ class SessionWorker(DpexWorker):
     async def serve_until_told(self, spec: WorkerSpec, shipped: bytes, conn: Any) -> None:
         """Serve until the session ends, or the fleet worker says stop or dies."""
         loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(self._serve_here(spec, shipped))
+        task = asyncio.ensure_future(self._server.serve(spec, shipped))
 
         def told() -> None:  # "stop", or end of file: the fleet worker is gone
             loop.remove_reader(conn.fileno())
@@ -482,19 +204,3 @@ class SessionWorker(DpexWorker):
                 raise
         finally:
             loop.remove_reader(conn.fileno())
-
-
-def _attach_ring(spec: WorkerSpec, node_id: str) -> tuple[WorkerRing | None, str]:
-    """The trainer's ring when this worker shares its node, and how batches travel
-    (``"ring"``, or ``"socket"`` with the reason)."""
-    if spec.ring is None:
-        return None, "socket (no ring offered)"
-    try:
-        return WorkerRing(spec.ring, node_id), "ring"
-    except (RingUnavailable, OSError) as exc:  # OSError: mmap refused (memory limits)
-        return None, f"socket ({exc})"
-
-
-def _settle(fut: asyncio.Future, setter: object, value: object) -> None:
-    if not fut.done():
-        setter(value)
