@@ -4,4 +4,5 @@
 DPEX_EXTRAS=test,dev,examples,bench
 source "$(dirname "$0")/_env.sh"
 # pytest exits 5 when it collects nothing: with `set -e` that fails the run too.
-python -m pytest "$@"
+# The slowest tests are listed at the end (the suite's time is a target: README).
+python -m pytest --durations=25 "$@"
