@@ -280,7 +280,9 @@ class Sim:
                 self.retired = True
                 self.apply(s.retire_worker(rng.choice(s.workers.accepting()).id))
         r = rng.random()
-        w = rng.randrange(n)
+        # (a worker not stopped: ids are never reused, and over hundreds of additions
+        # and retirements a pick among all of them would almost never find a live one)
+        w = rng.choice([r.id for r in s.workers.records if not r.gone] or range(n))
         if r < 0.30:  # a worker computes a task; the result is lost, doubled or sent
             if self.ready[w] and w not in self.dead and self.queue[w]:
                 result = self.compute(w)
