@@ -18,40 +18,31 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 
 __all__ = ["main"]
 
 
-def _positive_float(text: str) -> float:
-    """A count of seconds: > 0 and finite (0 would free every session at once, NaN
-    compares false with everything)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
+def _number(kind: type, low: float, low_allowed: bool, unit: str = "") -> Callable:
+    """An argparse type: a finite ``kind`` (int or float) above ``low`` (or equal, with
+    ``low_allowed``). A number of seconds is never 0 (it would free every session at
+    once) nor NaN (which compares false with everything)."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not (math.isfinite(value) and (value >= low if low_allowed else value > low)):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>=' if low_allowed else '>'} {low:g}{unit}, got {text}")
+        return value
+    return parse
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _not_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+_positive_float = _number(float, 0, False, " seconds")
+_at_least_one = _number(int, 1, True)
+_not_negative = _number(float, 0, True)
 
 
 def _parser() -> argparse.ArgumentParser:
