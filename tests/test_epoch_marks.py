@@ -3,15 +3,13 @@
 socket pair."""
 
 import asyncio
-import queue
 
 import pytest
-import zmq
-import zmq.asyncio
+from control_reader import control_reader
 
 from dpex._epoch_marks import AppliedMarks, SentMarks
 from dpex._protocol import Kind, Wire
-from dpex.server._session import _RESUME, _SKIP, SessionServer
+from dpex.server._session import _RESUME, _SKIP
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,20 +42,7 @@ async def test_a_lost_resume_and_skip_are_applied_before_the_tasks_that_need_the
     connection that broke with them queued), the worker ran epoch 2's tasks on epoch 1's
     shard, unskipped, and nobody knew."""
     wire = Wire(b"s" * 16, b"k" * 32)
-    ctx = zmq.asyncio.Context()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.IDENTITY, b"w")
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    await dealer.send(b"hi")
-    await asyncio.wait_for(router.recv_multipart(), 5)
-    worker = SessionServer({}, 30.0, count=lambda n: None, count_rejected=lambda: None)
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-    spec = type("Spec", (), {"wire": wire})
-    session = type("Session", (), {"epoch_floor": 0, "stop": asyncio.Event(),
-                                   "marks": AppliedMarks()})()
-    reader = asyncio.ensure_future(worker.read_control(dealer, spec, inbox, session))
-    try:
+    async with control_reader(wire) as (router, inbox, session):
         sent = SentMarks()
         sent.resume(0, 2, "seed-2")  # RESUME (control seq 0) and SKIP (1) were lost
         sent.skip(0, 2, 3)
@@ -69,7 +54,3 @@ async def test_a_lost_resume_and_skip_are_applied_before_the_tasks_that_need_the
         assert session.epoch_floor == 2 and session.marks.repaired == 2
         await asyncio.sleep(0.2)
         assert inbox.empty()  # the second TASKS message repeated nothing
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
-        ctx.destroy(0)

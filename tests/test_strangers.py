@@ -2,6 +2,7 @@
 session on its own loop thread, fake workers on loopback, raw ZMTP attackers."""
 
 import asyncio
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -13,8 +14,8 @@ import torch
 import zmq
 import zmq.asyncio
 from attackers import rss_bytes, zmtp_flood
+from control_reader import control_reader
 
-from dpex._epoch_marks import AppliedMarks
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Wire, worker_identity
 from dpex._security import AUTHENTICATED, ENCRYPTED, ControlFreshness, SessionKeys
@@ -28,15 +29,24 @@ pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
 
 
-@pytest.fixture(params=[AUTHENTICATED, ENCRYPTED])
-def live_session(request):
+@contextlib.contextmanager
+def opened_session(mode=AUTHENTICATED, max_bytes=64 * MiB):
+    """A trainer session on loopback, open, on a loop thread of its own (stopped after)."""
     handoff = queue.SimpleQueue()
     loop = LoopThread("dpex-test-loop")
-    sess = TrainerSession(Wire.new(64 * MiB), "127.0.0.1", handoff, request.param)
+    sess = TrainerSession(Wire.new(max_bytes), "127.0.0.1", handoff, mode)
     loop.start()
-    loop.run(sess.open(), 5)
-    yield sess, loop, handoff
-    loop.stop(cleanup=sess.close)
+    try:
+        loop.run(sess.open(), 5)
+        yield sess, loop, handoff
+    finally:
+        loop.stop(cleanup=sess.close)
+
+
+@pytest.fixture(params=[AUTHENTICATED, ENCRYPTED])
+def live_session(request):
+    with opened_session(request.param) as opened:
+        yield opened
 
 
 def events(handoff, want, timeout=10.0):
@@ -173,23 +183,7 @@ async def test_a_replayed_or_reordered_control_message_is_rejected_and_counted()
     (or an older one after a newer) neither repeats nor drops a shard's batches."""
     wire = Wire.new()
     rejected = []
-    worker = SessionServer({}, 30.0, count=lambda n: None,  # its control reader only
-                           count_rejected=lambda: rejected.append(1))
-    ctx = zmq.asyncio.Context()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    for s in (router, dealer):
-        s.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.IDENTITY, b"w")
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    await dealer.send(b"here")  # the ROUTER knows the route once it heard from it
-    await asyncio.wait_for(router.recv_multipart(), 5)
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-    spec = type("Spec", (), {"wire": wire})
-    session = type("Session", (), {"epoch_floor": 0, "stop": asyncio.Event(),
-                                   "marks": AppliedMarks()})()
-    reader = asyncio.ensure_future(worker.read_control(dealer, spec, inbox, session))
-    try:
+    async with control_reader(wire, lambda: rejected.append(1)) as (router, inbox, _):
         first = wire.encode(Kind.TASKS, 1, 0, 0, ([(0, [0, 1])], None))
         second = wire.encode(Kind.TASKS, 1, 1, 0, ([(1, [2, 3])], None))
         for frames in (first, second, first, second):  # replays of both
@@ -201,9 +195,6 @@ async def test_a_replayed_or_reordered_control_message_is_rejected_and_counted()
         await asyncio.sleep(0.2)
         assert got == [(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4])] and inbox.empty()
         assert len(rejected) == 2  # counted (the worker adds it to its fleet_stats)
-    finally:
-        reader.cancel()
-        ctx.destroy(0)
 
 
 def bare_worker(session_timeout: float) -> DpexWorker:
@@ -363,15 +354,8 @@ def test_receiving_spreads_over_io_threads_where_the_trainer_has_cores_to_spare(
     with pytest.raises(ValueError, match="DPEX_IO_THREADS"):
         io_threads()
     monkeypatch.setenv("DPEX_IO_THREADS", "2")
-    handoff = queue.SimpleQueue()
-    loop = LoopThread("dpex-test-loop")
-    sess = TrainerSession(Wire.new(), "127.0.0.1", handoff)
-    loop.start()
-    try:
-        loop.run(sess.open(), 5)
+    with opened_session() as (sess, _, _):
         assert sess._ctx.get(zmq.IO_THREADS) == 2
-    finally:
-        loop.stop(cleanup=sess.close)
 
 
 def test_a_batch_frame_slower_than_the_heartbeat_is_not_cut(monkeypatch):
@@ -382,13 +366,8 @@ def test_a_batch_frame_slower_than_the_heartbeat_is_not_cut(monkeypatch):
     the worker's I/O thread encrypts a frame in one go, about 1 s per 512 MiB here, and
     reads no ping meanwhile: docs/FAULTS_AND_SECURITY.md says what that bounds.)"""
     monkeypatch.setenv("DPEX_HEARTBEAT_TIMEOUT_S", "0.3")
-    handoff = queue.SimpleQueue()
-    loop = LoopThread("dpex-test-loop")
-    sess = TrainerSession(Wire.new(1 << 30), "127.0.0.1", handoff, AUTHENTICATED)
-    loop.start()
     ctx = zmq.Context()
-    try:
-        loop.run(sess.open(), 5)
+    with opened_session(max_bytes=1 << 30) as (sess, loop, handoff):
         _, data = genuine_worker(sess, ctx)
         events(handoff, lambda e: isinstance(e, WorkerHello))
         batch = torch.ones(512 * MiB // 4)
@@ -396,9 +375,7 @@ def test_a_batch_frame_slower_than_the_heartbeat_is_not_cut(monkeypatch):
         [msg] = events(handoff, lambda e: isinstance(e, list), timeout=30)
         assert msg.seq == 0 and msg.payload.numel() == batch.numel()
         assert loop.run(sess.snapshot(), 5)["cuts"] == 0
-    finally:
-        ctx.destroy(0)
-        loop.stop(cleanup=sess.close)
+    ctx.destroy(0)
 
 
 def held_open(address, source, within):
@@ -433,12 +410,9 @@ def test_connections_from_outside_the_accepted_addresses_are_closed_at_once(monk
     monkeypatch.setenv("DPEX_ACCEPT_FROM", "127.0.0.2")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
-    handoff = queue.SimpleQueue()
-    loop = LoopThread("dpex-test-loop")
-    sess = TrainerSession(Wire.new(), "127.0.0.1", handoff)
-    loop.start()
+    stack = contextlib.ExitStack()
     try:
-        loop.run(sess.open(), 5)
+        sess = stack.enter_context(opened_session())[0]
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
         for address in (sess.data_address, sess.control_address):
             started = time.monotonic()
@@ -448,8 +422,8 @@ def test_connections_from_outside_the_accepted_addresses_are_closed_at_once(monk
             assert not held_open(address, "127.0.0.2", within=8.0)  # accepted: handshake
             assert 2.0 < time.monotonic() - started < 6.0  # the window, not 10 s
     finally:
+        stack.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        loop.stop(cleanup=sess.close)
 
 
 def test_the_accepted_addresses_are_the_hosts_subnet_and_the_clusters_nodes(monkeypatch):
