@@ -69,8 +69,8 @@ def run_accelerate(args) -> dict:
     train_set, eval_set = Noisy(N_TRAIN), Noisy(N_EVAL, offset=100)
     record: dict = {"loss": [], "batches": [], "gathered": [], "dropped_warning": False}
     if args.loader == "torch":
-        train = DataLoader(train_set, shuffle=True, multiprocessing_context="forkserver", **kw)
-        evals = DataLoader(eval_set, multiprocessing_context="forkserver", **kw)
+        train = DataLoader(train_set, shuffle=True, **kw)
+        evals = DataLoader(eval_set, **kw)
         model, optimizer, train, evals = accelerator.prepare(model, optimizer, train, evals)
     else:
         from dpex import DpexDataLoader, DpexDroppedWarning
@@ -129,7 +129,6 @@ def run_trainer(args) -> dict:
         disable_tqdm=True)
     if args.loader == "torch":
         cls = Trainer
-        targs.dataloader_multiprocessing_context = "forkserver"
     else:
         from dpex.accelerate import prepare_data_loader
 

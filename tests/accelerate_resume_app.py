@@ -41,8 +41,7 @@ def main() -> None:
     kwargs = dict(batch_size=7, shuffle=True, num_workers=2,
                   generator=torch.Generator().manual_seed(1))
     if args.loader == "torch":
-        loader = accelerator.prepare(DataLoader(Noisy(42), multiprocessing_context="forkserver",
-                                                **kwargs))
+        loader = accelerator.prepare(DataLoader(Noisy(42), **kwargs))
     else:
         from dpex import DpexDataLoader
         from dpex.accelerate import prepare_data_loader

@@ -51,7 +51,7 @@ class Noisy(Dataset):
 
 def loader_class(kind: str):
     if kind == "torch":
-        return DataLoader, {"multiprocessing_context": "forkserver"}
+        return DataLoader, {}  # torch's default start method, as the user runs it
     from dpex import DpexDataLoader  # first imported here: inside Lightning's hook, for ddp
 
     return DpexDataLoader, {"distribute_mode": True}
@@ -156,8 +156,7 @@ def main() -> None:
         print("rank 0 done", flush=True)
     else:
         pl.seed_everything(5, workers=True)
-        # One epoch, no sanity check: every worker start costs seconds on 2 cores, for
-        # torch's forkserver workers as for dpex's.
+        # One epoch, no sanity check: every worker start costs seconds on 2 cores.
         strategy = "ddp" if args.scenario == "ddp_autoscale" else args.scenario
         t = trainer(devices=2, strategy=strategy, max_epochs=1, num_sanity_val_steps=0,
                     use_distributed_sampler=True, callbacks=[Save(args.out)])

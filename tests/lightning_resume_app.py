@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     pl.seed_everything(0, workers=True)
     if args.loader == "torch":
-        cls, extra = DataLoader, {"multiprocessing_context": "forkserver"}
+        cls, extra = DataLoader, {}
     else:
         from dpex import DpexDataLoader
 

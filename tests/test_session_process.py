@@ -1,6 +1,7 @@
 """A fleet's sessions each run in a process of their own (no Ray): the fleet worker
 owns it, and it ends with the fleet worker."""
 
+import json
 import os
 import signal
 import subprocess
@@ -144,3 +145,45 @@ def test_a_session_process_starts_from_the_workers_start_state(monkeypatch, tmp_
     assert os.environ.get("DPEX_TEST_INIT") == state[0].get("DPEX_TEST_INIT")
     assert os.getcwd() == state[2]
     assert str(tmp_path) not in sys.path
+
+
+PRELOAD_HOST = textwrap.dedent("""
+    import json, sys
+    from dpex.server import _session_process
+    import colorsys, usermod   # a library module and the user's, after the worker started
+    colorsys.touched = usermod.touched = True   # state of the first session
+    _session_process.prestart()
+    ctx = _session_process._context()
+    parent, child = ctx.Pipe()
+    import probe
+    p = ctx.Process(target=probe.report, args=(child,))
+    p.start()
+    print(json.dumps(parent.recv()))
+    p.join(30)
+""")
+
+
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_the_forkserver_preloads_the_libraries_a_first_session_imported(tmp_path, setting):
+    """A warm worker's later sessions fork from a forkserver that has already imported
+    the installed libraries its first session imported (Lightning's worker_init_fn
+    imports Lightning: ~10 s per session here), with none of that session's state, and
+    never the user's own modules; DPEX_FORKSERVER_PRELOAD=0 turns it off."""
+    (tmp_path / "usermod.py").write_text("touched = False\n")
+    (tmp_path / "probe.py").write_text(textwrap.dedent("""
+        import sys
+        def report(conn):
+            mods = sys.modules
+            conn.send({"colorsys": "colorsys" in mods, "usermod": "usermod" in mods,
+                       "touched": getattr(mods.get("colorsys"), "touched", False)})
+    """))
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))])}
+    env.pop("DPEX_FORKSERVER_PRELOAD", None)
+    if setting is not None:
+        env["DPEX_FORKSERVER_PRELOAD"] = setting
+    run = subprocess.run([sys.executable, "-c", PRELOAD_HOST], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen == {"colorsys": setting is None, "usermod": False, "touched": False}

@@ -23,6 +23,7 @@ import os
 import shutil
 import stat
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -33,6 +34,7 @@ __all__ = ["SessionProcess", "prestart"]
 
 COUNTERS = ("batches_sent", "bytes_sent", "control_rejected")
 _PRELOAD = ["ray", "dpex.server._actor"]  # what every session would import again
+PRELOAD_LIBRARIES = "DPEX_FORKSERVER_PRELOAD"  # 0: the forkserver imports only _PRELOAD
 STOP_GRACE_S = 15.0  # the session's own clean-up waits 10 s at most for its fetch
 
 
@@ -50,6 +52,7 @@ def _process_state() -> tuple[dict, list, str | None]:
 # and a warm worker starts it only after its first session, which ran in the actor
 # and may have changed them (a worker_init_fn setting a variable).
 _START_STATE = _process_state()
+_START_MODULES = frozenset(sys.modules)
 
 
 def _restore(state: tuple[dict, list, str | None]) -> None:
@@ -109,9 +112,57 @@ def _alive(pid: int) -> bool:
 
 
 def prestart() -> None:
-    """Start the forkserver (imports torch: seconds) before the first session needs it."""
-    _context()
-    multiprocessing.forkserver.ensure_running()
+    """Start the forkserver (imports torch: seconds) before the first session needs it.
+    It also imports the library modules this process imported since it started (a
+    warm worker's first session ran here): each later session would import them again
+    (docs/WARM_WORKERS.md). Only modules of installed libraries, never the user's own
+    code or ``__main__``; a session still gets them with no state of the first one's,
+    since the forkserver only imported them."""
+    ctx = _context()
+    listed = _preload_file(library_modules())
+    if listed is None:
+        multiprocessing.forkserver.ensure_running()
+        return
+    ctx.set_forkserver_preload([*_PRELOAD, "dpex.server._forkserver_preload"])
+    os.environ[PRELOAD_LIBRARIES] = listed  # the forkserver starts with this environment
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.pop(PRELOAD_LIBRARIES, None)
+
+
+def library_modules() -> list[str]:
+    """The modules imported since this process started that belong to installed
+    libraries (the standard library's and site-packages' directories), in the order
+    they were imported; none with ``DPEX_FORKSERVER_PRELOAD=0``."""
+    if os.environ.get(PRELOAD_LIBRARIES, "1") == "0":
+        return []
+    paths = sysconfig.get_paths()
+    roots = tuple({os.path.join(os.path.realpath(paths[k]), "")
+                   for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths})
+    names = []
+    for name, module in list(sys.modules.items()):
+        if name in _START_MODULES or name in ("__main__", "__mp_main__"):
+            continue
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and os.path.realpath(file).startswith(roots):
+            names.append(name)
+    return names
+
+
+def _preload_file(names: list[str]) -> str | None:
+    """Write ``names`` to a file in multiprocessing's temp directory of this process
+    (see :func:`_context`); its path, or None when there is nothing to write or
+    nowhere to write it."""
+    if not names:
+        return None
+    try:
+        path = os.path.join(multiprocessing.util.get_temp_dir(), "forkserver-preload.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n".join(names))
+    except OSError:
+        return None
+    return path
 
 
 class SessionProcess:
