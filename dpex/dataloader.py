@@ -290,9 +290,11 @@ class DpexDataLoader(DataLoader[T_co]):
         """torch's index sampler (batch sampler, or sampler), seen through dpex's
         :class:`~dpex.client._resume.IndexView`: the same indices, with each epoch's
         position kept for ``state_dict()``."""
-        window = (self.prefetch_factor or 0) * self.num_workers
-        return IndexView(self._torch_index_sampler, self.__dict__.get("_resume_plan"),
-                         keep=window + 4)
+        # A stateful sampler's states are kept for the batches drawn and not yet yielded:
+        # dpex's iterator says which it yielded (its window follows scale_workers() and
+        # the autoscaler); torch's iterators draw at most their fixed window ahead.
+        keep = None if self._distributed else (self.prefetch_factor or 0) * self.num_workers + 4
+        return IndexView(self._torch_index_sampler, self.__dict__.get("_resume_plan"), keep)
 
     @property
     def _torch_index_sampler(self) -> Any:

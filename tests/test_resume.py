@@ -218,3 +218,23 @@ def test_another_ranks_state_keeps_the_order_but_not_its_workers_rng_states():
     assert plan_from(make(DpexDataLoader), state).worker_rng == state["worker_rng"]
     other = plan_from(make(DpexDataLoader), {**state, "rank": 1})
     assert other.worker_rng is None and other.skip == 1
+
+
+def test_a_drawings_sampler_states_go_as_their_batches_are_yielded():
+    """dpex's iterator keeps a stateful sampler's state for every batch drawn and not yet
+    yielded, however wide its window grew (keep=None); torch's iterators, whose window
+    is fixed, keep the newest ``keep``."""
+    from dpex.client._resume import IndexView
+
+    wide = iter(IndexView(StatefulShuffle(N, 7), None, keep=None))
+    for _ in range(30):
+        next(wide)
+    assert wide.sampler_state_at(0) == {"epoch": 0, "pos": 0}  # nothing yielded yet
+    wide.yielded(12)
+    assert wide.sampler_state_at(11) is None
+    assert wide.sampler_state_at(12) == {"epoch": 0, "pos": 12}
+    assert wide.sampler_state_at(30) == {"epoch": 0, "pos": 30}
+    narrow = iter(IndexView(StatefulShuffle(N, 7), None, keep=4))
+    for _ in range(30):
+        next(narrow)
+    assert narrow.sampler_state_at(25) is None and narrow.sampler_state_at(26) is not None

@@ -304,3 +304,36 @@ def test_a_mid_epoch_state_with_in_order_false_is_refused_by_name():
         loader.state_dict()
     del it
     loader.close()
+
+
+def test_a_stateful_samplers_position_survives_a_window_wider_than_the_loaders_own():
+    """The loader kept a stateful sampler's states for the window of its own
+    ``num_workers``; scale_workers() (or the autoscaler) widens dpex's window, and a
+    state_dict() then lost the sampler's position (None): the resumed epoch replayed a
+    fresh sampler, epoch 0's order in epoch 1. The states now go as their batches are
+    yielded (issue 26: one window rule)."""
+    from test_resume import StatefulShuffle
+    from torch.utils.data import DataLoader
+
+    n = 48
+
+    def make(cls, **kwargs):
+        return cls(dsets.Squares(n, max_sleep=0), batch_size=1, sampler=StatefulShuffle(n, 7),
+                   **kwargs)
+
+    def dpex_loader():
+        return make(DpexDataLoader, num_workers=1, prefetch_factor=4, persistent_workers=True,
+                    distribute_mode=True)
+
+    ref = make(DataLoader)
+    want = [[b[1].tolist() for b in ref] for _ in range(2)][1]
+    loader = dpex_loader()
+    loader.scale_workers(3)  # a window of 12 batches; the loader's own: 4
+    list(loader)
+    it = iter(loader)
+    part = [next(it)[1].tolist() for _ in range(20)]
+    state = round_trip(loader.state_dict())
+    assert state["sampler_state"] == {"epoch": 1, "pos": 20}
+    del it
+    loader.close()
+    assert part + [b[1].tolist() for b in rest_of_epoch(dpex_loader(), state)] == want

@@ -53,6 +53,7 @@ from dpex.client._scheduler import (
     StartWorker,
     StopWorker,
 )
+from dpex.client._resume import Drawing
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
 from dpex.client._taken import TakenRecord
@@ -307,7 +308,11 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
 
     def __next__(self) -> Any:
         try:
-            return super().__next__()
+            data = super().__next__()
+            drawing = self._sampler_iter
+            if isinstance(drawing, Drawing):  # (what state_dict() may still ask for)
+                drawing.yielded(self._num_yielded + drawing.skipped)
+            return data
         except StopIteration:
             raise
         except BaseException as exc:

@@ -105,7 +105,7 @@ class IndexView:
     """The loader's index sampler as its iterators see it: the same indices, each
     epoch a :class:`Drawing`. ``len`` is the sampler's."""
 
-    def __init__(self, sampler: Any, plan: ResumePlan | None, keep: int) -> None:
+    def __init__(self, sampler: Any, plan: ResumePlan | None, keep: int | None) -> None:
         self.sampler, self.plan, self.keep = sampler, plan, keep
         self.generator = sampler_generator(sampler)
 
@@ -120,7 +120,7 @@ class Drawing:
     """One epoch's draws from the index sampler (torch's ``_sampler_iter``)."""
 
     def __init__(self, sampler: Any, generator: torch.Generator | None,
-                 plan: ResumePlan | None, keep: int) -> None:
+                 plan: ResumePlan | None, keep: int | None) -> None:
         self.generator = generator
         self.plan = plan if plan is not None and plan.armed else None
         self.stateful = stateful(sampler)
@@ -135,8 +135,9 @@ class Drawing:
         self.position = 0  # index batches of this epoch drawn (skipped ones included)
         self.skipped = 0  # of them, passed over when resuming (yielded by the saved run)
         self.exhausted = False
-        # A stateful sampler's state before each recent draw, by position (a prefetch
-        # window's worth: the batches drawn and not yet yielded).
+        # A stateful sampler's state before each draw not yet yielded, by position: the
+        # newest ``keep`` (torch's iterators: their window and a margin), or those that
+        # :meth:`yielded` has not released (dpex's, whose window changes with its workers).
         self.states: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self.keep = keep
         self._it = iter(sampler)
@@ -166,7 +167,7 @@ class Drawing:
     def _draw(self) -> Any:
         if self.stateful is not None:
             self.states[self.position] = self.stateful.state_dict()
-            while len(self.states) > self.keep:
+            while self.keep is not None and len(self.states) > self.keep:
                 self.states.popitem(last=False)
         try:
             index = next(self._it)
@@ -175,6 +176,11 @@ class Drawing:
             raise
         self.position += 1
         return index
+
+    def yielded(self, position: int) -> None:
+        """The batches before ``position`` were yielded: their states are not needed."""
+        while self.states and next(iter(self.states)) < position:
+            self.states.popitem(last=False)
 
     def _replay(self, plan: ResumePlan) -> None:
         """Pass over the batches already yielded, without fetching anything."""
