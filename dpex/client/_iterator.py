@@ -27,7 +27,6 @@ from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind, _utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from dpex._addresses import node_address
-from dpex._autoscale import Autoscale
 from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Wire
@@ -42,6 +41,8 @@ from dpex.client._autoscaler import Autoscaler
 from dpex.client._deadlines import Deadlines, Due
 from dpex.client._elastic import ElasticWorkers, mean
 from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
+from dpex.client._launch import plan_launch
+from dpex.client._resume import Drawing
 from dpex.client._scheduler import (
     EPOCH_END,
     Control,
@@ -53,7 +54,6 @@ from dpex.client._scheduler import (
     StartWorker,
     StopWorker,
 )
-from dpex.client._resume import Drawing
 from dpex.client._session import TrainerSession
 from dpex.client._shipping import ship_loader
 from dpex.client._taken import TakenRecord
@@ -135,20 +135,15 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
     def __init__(self, loader: Any, config: DpexConfig, worker_class: type) -> None:
         super().__init__(loader)
         self._loader_ref = weakref.ref(loader)
-        # num_workers=dpex.Autoscale(...): start where this loader's last iterator ended
-        # (or at min); the worker set changes while it runs (map-style datasets only).
-        policy = loader.num_workers if isinstance(loader.num_workers, Autoscale) else None
-        if policy is not None:
-            if self._dataset_kind == _DatasetKind.Iterable:
-                raise ValueError(
-                    f"num_workers={policy!r} needs a map-style dataset: an IterableDataset's "
-                    "worker count is fixed, since each worker iterates its own shard; give "
-                    "it a number of workers")
-            last = loader.__dict__.get("_autoscale_workers") or policy.min
-            self._num_workers = max(policy.min, min(last, policy.max or last))
-        elif loader.__dict__.get("_autoscale_workers") and (
-                self._dataset_kind != _DatasetKind.Iterable):
-            self._num_workers = loader._autoscale_workers  # set by scale_workers()
+        # How many workers, which one takes the first batch, what each starts from and
+        # how batches are seeded: decided in one pure function (_launch.py).
+        plan = plan_launch(
+            num_workers=loader.num_workers, scaled_to=loader.__dict__.get("_autoscale_workers"),
+            prefetch_factor=loader.prefetch_factor,
+            iterable=self._dataset_kind == _DatasetKind.Iterable,
+            worker_seeding=config.worker_seeding, resume=loader.__dict__.get("_resume_plan"))
+        self._launch = plan
+        self._num_workers = plan.num_workers
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._startup_timeout = config.startup_timeout
@@ -174,33 +169,14 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         self._loop = self._runtime.loop
         self._ring_bytes = config.shm_ring_bytes
         self._node_id = ray.get_runtime_context().get_node_id()
-        # Resuming (load_state_dict): each worker's RNG states where the saved run's
-        # stood (with the saved run's worker count only), and the worker batch 0 of the
-        # resumed epoch goes to (the one that had it in the saved run); an
-        # IterableDataset's workers also pass over what they delivered before (or load
-        # their dataset's own state), and those whose shards ended stay ended.
-        plan = loader.__dict__.get("_resume_plan")
-        rng = plan.worker_rng if plan is not None and plan.worker_rng_fits(
-            self._num_workers) else {}
-        self._resume_first_worker = (plan.skip % self._num_workers
-                                     if plan is not None and plan.armed else 0)
-        shards = plan.iterable if plan is not None and plan.armed else None
-        if shards is not None:
-            self._resume_first_worker = shards["next_worker"]
+        # Resuming: an IterableDataset's workers also pass over what they delivered
+        # before (or load their dataset's own state), and those whose shards ended stay
+        # ended.
+        self._resume_first_worker = plan.first_worker
         iterable = self._dataset_kind == _DatasetKind.Iterable
-        # worker_seeding="per_batch": each batch seeded from which batch it is, so a
-        # map-style worker's RNG states need not be kept, asked for or restored.
-        self._per_batch = config.worker_seeding == "per_batch"
-        self._epochs_before = plan.epochs_before if plan is not None else 0
-        batch_seeds = (self._epochs_before, plan.skip if plan is not None and plan.armed
-                       else 0) if self._per_batch else None
-        keep_rng = not (self._per_batch and not iterable)
-        if not keep_rng:
-            rng = {}
         self._taken = TakenRecord(self._num_workers, iterable,
-                                  iterable and stateful_dataset(self._dataset), shards)
+                                  iterable and stateful_dataset(self._dataset), plan.shards)
         self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
-        window = self._prefetch_factor * self._num_workers
         try:
             self._runtime.open()
             self._specs = [
@@ -213,8 +189,8 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
                     niceness=os.getpriority(os.PRIO_PROCESS, 0),
                     shared_seed=self._shared_seed, ring=self._new_ring(w),
                     pooled=config.worker_pool is not None,
-                    rng_state=rng.get(w), rng_keep=window + 2 if keep_rng else 0,
-                    batch_seeds=batch_seeds,
+                    rng_state=plan.rng_state(w), rng_keep=plan.rng_keep,
+                    batch_seeds=plan.batch_seeds,
                 )
                 for w in range(self._num_workers)
             ]
@@ -239,7 +215,8 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
         self._waited_total, self._taken_total = 0.0, 0  # over the iterator's life
         self._autoscaler: Autoscaler | None = None
         self._training_thread, self._scale_request = threading.get_ident(), None
-        if policy is not None:
+        if plan.autoscale is not None:
+            policy = plan.autoscale
             most = policy.max or max(1, int(ray.cluster_resources().get("CPU", 1)))
             self._autoscaler = Autoscaler(policy, most, time.monotonic())
         self._reset(loader, first_iter=True)
@@ -475,7 +452,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
     def resume_points(self, mid_epoch: bool) -> dict[int, tuple[int, int]]:
         """See :meth:`TakenRecord.resume_points` (none with per-batch seeding of a
         map-style dataset: its workers' RNG states say nothing about later batches)."""
-        if self._per_batch and self._dataset_kind != _DatasetKind.Iterable:
+        if self._launch.per_batch and self._dataset_kind != _DatasetKind.Iterable:
             return {}
         points = self._taken.resume_points(self._sched.epoch, mid_epoch)
         # a retired worker's session is gone: nobody to ask (its id resumes from its seed)
@@ -491,7 +468,7 @@ class RayDataLoaderIter(ElasticWorkers, _BaseDataLoaderIter):
     @property
     def epochs_served(self) -> int:
         """Epochs begun with this iterator's base seed, a resumed run's before it included."""
-        return self._epochs_before + self._sched.epoch
+        return self._launch.epochs_before + self._sched.epoch
 
     def shard_positions(self) -> dict:
         """See :meth:`TakenRecord.shard_positions` (for ``state_dict()``)."""
