@@ -100,7 +100,7 @@ def trial(args) -> dict:
         got.append(batch)
         if len(got) == args.kill_after:
             while len(it._ready) < it._num_workers:
-                it._receive_one()
+                it._driver.receive_one()
             t_kill = time.monotonic()
             info = it._ready[1]  # the process computing its batches (a warm worker's session)
             os.kill(info.get("session_pid", info["pid"]), signal.SIGKILL)

@@ -37,7 +37,7 @@ for epoch in range(2):
     sampler.set_epoch(epoch)
     it = iter(loader)
     result["epochs"].append(list(it))
-    result["sessions"].append(it._session.session_id)
+    result["sessions"].append(it._driver.session.session_id)
     # The processes that ran the dataset code (on a warm worker: its session's own).
     result["pids"].extend(info.get("session_pid", info["pid"]) for info in it._ready.values())
 dist.barrier()

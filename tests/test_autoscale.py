@@ -175,7 +175,7 @@ def take_until_ready(it, workers, got, limit=120.0):
     deadline = time.monotonic() + limit
     while len(it._ready) < workers:
         assert time.monotonic() < deadline, f"only {sorted(it._ready)} ready"
-        it._receive_one(until=time.monotonic() + 0.2)  # (HELLOs arrive as events)
+        it._driver.receive_one(until=time.monotonic() + 0.2)  # (HELLOs arrive as events)
 
 
 @ray_only

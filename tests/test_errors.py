@@ -63,14 +63,14 @@ def test_timeout_counts_batches_not_worker_start_up():
 
 
 def test_timeout_longer_than_the_liveness_poll_is_honoured_in_full(monkeypatch):
-    from dpex.client import _iterator
+    from dpex.client import _driver
 
-    monkeypatch.setattr(_iterator, "_POLL_S", 0.3)  # the loop-liveness wake-up
+    monkeypatch.setattr(_driver, "_POLL_S", 0.3)  # the loop-liveness wake-up
     loader = DpexDataLoader(dsets.Slow(delay=20.0), batch_size=1, num_workers=1, timeout=1.5,
                             distribute_mode=True)
     it = iter(loader)
     while len(it._ready) < 1:  # start-up is not part of the timeout
-        it._receive_one()
+        it._driver.receive_one()
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"DataLoader timed out after 1.5 seconds"):
         next(it)
@@ -237,10 +237,10 @@ def test_dataset_returning_device_tensors_gets_a_clear_error():
 
 
 def test_worker_with_other_versions_is_refused_at_handshake(monkeypatch):
-    from dpex.client import _iterator
+    from dpex.client import _driver
 
-    real = _iterator.local_versions()
-    monkeypatch.setattr(_iterator, "local_versions", lambda: {**real, "dpex": "9.9.9"})
+    real = _driver.local_versions()
+    monkeypatch.setattr(_driver, "local_versions", lambda: {**real, "dpex": "9.9.9"})
     loader = DpexDataLoader(dsets.Squares(4), batch_size=2, num_workers=1,
                             distribute_mode=True)
     with pytest.raises(WorkerStartupError, match=r"runs .*'dpex': '0\.1\.0'.* but this trainer "

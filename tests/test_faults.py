@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
 def ready_pids(it, limit=60.0):
     deadline = time.monotonic() + limit
     while len(it._ready) < it._num_workers and time.monotonic() < deadline:
-        it._receive_one()
+        it._driver.receive_one()
     assert len(it._ready) == it._num_workers, "workers did not start"
     # The process that computes each worker's batches: on a warm worker, its session's own.
     return {w: info.get("session_pid", info["pid"]) for w, info in it._ready.items()}
@@ -98,7 +98,7 @@ def test_past_max_worker_restarts_the_error_names_the_worker_and_node():
     with pytest.raises(WorkerDiedError) as err:
         # (worker 0 goes on with the epoch meanwhile: wait for the replacement to kill it)
         while not (it.stats()["dropped"].get("restarted") == 1 and len(it._ready) == 2):
-            it._receive_one()
+            it._driver.receive_one()
         kill(it._ready[1]["pid"])
         for _ in it:
             pass
@@ -115,7 +115,7 @@ loader = DpexDataLoader(torch.zeros(2_000, 4096), batch_size=16, num_workers=2,
 it = iter(loader)
 held = [next(it) for _ in range(8)]  # batches that live in the shared-memory rings
 while len(it._ready) < 2:
-    it._receive_one()
+    it._driver.receive_one()
 assert loader.stats()["received_in_ring"] >= 8, loader.stats()
 print("PIDS", *[info["pid"] for info in it._ready.values()], flush=True)
 time.sleep(600)

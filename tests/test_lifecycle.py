@@ -36,7 +36,7 @@ def wait_gone(pids, limit=10.0):
 def worker_pids(it):
     deadline = time.monotonic() + 30
     while len(it._ready) < it._num_workers and time.monotonic() < deadline:
-        it._receive_one()
+        it._driver.receive_one()
     # The process running each worker's dataset code (on a warm worker, its session's).
     return [info.get("session_pid", info["pid"]) for info in it._ready.values()]
 
@@ -140,7 +140,7 @@ def test_persistent_loader_starts_afresh_after_its_workers_died():
     it = iter(loader)
     next(it)
     worker_pids(it)  # both up: a worker killed while starting is a start-up failure
-    ray.kill(it._runtime.workers.actors[1], no_restart=True)
+    ray.kill(it._driver.runtime.workers.actors[1], no_restart=True)
     with pytest.raises(WorkerDiedError, match=r"dpex worker 1 \(pid \d+, node [\d.]+\) died "
                        r"after 0 restart\(s\)"):
         list(it)
@@ -179,7 +179,7 @@ def test_a_forked_child_dropping_the_iterator_leaves_the_parents_workers_alone()
                              distribute_mode=True, timeout=60))
     got = [next(it)]
     while len(it._ready) < 2:
-        it._receive_one()
+        it._driver.receive_one()
     pid = os.fork()
     if pid == 0:
         try:

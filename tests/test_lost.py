@@ -97,7 +97,7 @@ def test_a_dead_workers_tasks_go_to_the_survivors_before_its_replacement_is_up()
     it = iter(DpexDataLoader(dataset, distribute_mode=True, timeout=60, **kw))
     got = [next(it) for _ in range(3)]
     while len(it._ready) < 2:
-        it._receive_one()
+        it._driver.receive_one()
     info = it._ready[1]  # the process that computes its batches (a warm worker's session's)
     os.kill(info.get("session_pid", info["pid"]), signal.SIGKILL)
     got += list(it)

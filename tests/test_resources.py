@@ -39,7 +39,7 @@ def worker_pids(it, limit=60.0):
     """The workers' processes: each actor's and, on a warm worker, its session's own."""
     deadline = time.monotonic() + limit
     while len(it._ready) < it._num_workers and time.monotonic() < deadline:
-        it._receive_one()
+        it._driver.receive_one()
     return sorted(info[key] for info in it._ready.values() for key in ("pid", "session_pid")
                   if key in info)
 

@@ -84,8 +84,8 @@ def test_attacks_during_an_epoch_change_nothing(tmp_path, peer, encryption):
     it = iter(loader)
     got = [next(it)]
     insider = peer != "stranger"
-    attack(it._session.data_address, it._session.control_address, it._session.session_id,
-           marker, it._session.keys.client if insider else None)
+    attack(it._driver.session.data_address, it._driver.session.control_address, it._driver.session.session_id,
+           marker, it._driver.session.keys.client if insider else None)
     got += list(it)
     assert_same(expected, got, "epoch")
     time.sleep(0.2)

@@ -276,7 +276,7 @@ def test_dpex_shm_ring_0_turns_the_ring_off_so_batches_take_the_socket(side, mon
     (the node's Ray workers), it maps none and says why."""
     from types import SimpleNamespace
 
-    from dpex.client._iterator import RayDataLoaderIter
+    from dpex.client._driver import EpochDriver
 
     ready = TrainerRing(0, 1 << 20, NODE)  # offered before the variable was set
     monkeypatch.setenv("DPEX_SHM_RING", "0")
@@ -284,10 +284,10 @@ def test_dpex_shm_ring_0_turns_the_ring_off_so_batches_take_the_socket(side, mon
         before = set(_memfds())  # (other tests' rings may still await collection)
         with pytest.raises(OSError, match="DPEX_SHM_RING=0"):
             TrainerRing(1, 1 << 20, NODE)
-        iterator = SimpleNamespace(
+        driver = SimpleNamespace(
             _ring_bytes=1 << 20, _node_id=NODE,
-            _session=SimpleNamespace(new_ring=lambda c, n, w: TrainerRing(0, c, n, w).ref))
-        assert RayDataLoaderIter._new_ring(iterator, 0) is None
+            session=SimpleNamespace(new_ring=lambda c, n, w: TrainerRing(0, c, n, w).ref))
+        assert EpochDriver.new_ring(driver, 0) is None
         assert not [link for link in set(_memfds()) - before if "dpex-ring" in link]
     else:
         with pytest.raises(RingUnavailable, match="DPEX_SHM_RING=0"):

@@ -1,30 +1,30 @@
-"""The iterator's elastic worker set: ``scale_to(n)`` (``loader.scale_workers``) and the
-autoscaler's loop (``num_workers=dpex.Autoscale(...)``), as a mixin of
-:class:`~dpex.client._iterator.RayDataLoaderIter`.
+"""An iterator's elastic worker set: ``scale_to(n)`` (``loader.scale_workers``) and the
+autoscaler's loop (``num_workers=dpex.Autoscale(...)``), composed into its
+:class:`~dpex.client._driver.EpochDriver`.
 
 The rules live in pure objects (:class:`~dpex.client._scheduler.EpochScheduler`'s
 ``add_worker``/``retire_worker``, :class:`~dpex.client._autoscaler.Autoscaler`);
-this carries out their actions: starting a worker, ending a retired one's session.
-It uses the iterator's ``_apply``, ``_next_index``, ``_new_ring``, ``_sched``,
-``_specs``, ``_runtime``, ``_session``, ``_loop``, ``_shipped``, ``_autoscaler``,
-``_added_at``, the loop's cumulative ``_waited_total`` and ``_taken_total``,
-``_startup_timeout`` and ``_loader_ref``.
+this asks them and has the driver carry out their actions (starting a worker, ending
+a retired one's session). It reads the driver's scheduler, runtime and cumulative
+wait and take counts, and calls its ``apply``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import ray
-from torch.utils.data import _DatasetKind
 
+from dpex._autoscale import Autoscale
+from dpex.client._autoscaler import Autoscaler
 from dpex.errors import IteratorClosedError
 
-__all__ = ["ElasticWorkers", "mean"]
+__all__ = ["Elastic", "mean"]
 
 logger = logging.getLogger("dpex")
 
@@ -36,31 +36,44 @@ def mean(values: Any) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-class ElasticWorkers:
-    _sched: Any
-    _specs: list
-    _runtime: Any
-    _session: Any
-    _loop: Any
-    _shipped: Any
-    _autoscaler: Any
-    _added_at: dict[int, float]
-    _waited_total: float
-    _taken_total: int
-    _startup_timeout: float
-    _dataset_kind: Any
-    _worker_shared_seed: Any
-    _loader_ref: Any
-    _training_thread: int  # the thread that takes the batches (the scheduler is its own)
-    _scale_request: int | None  # a count asked for from another thread, not yet carried out
+class Elastic:
+    """Adds and retires a driver's workers, on request or by its autoscaler."""
 
-    def _scale_as_requested(self) -> None:
-        """On the training thread: carry out a count asked for from another thread."""
-        n, self._scale_request = self._scale_request, None
+    def __init__(self, driver: Any, policy: Autoscale | None, iterable: bool,
+                 on_scaled: Callable[[int], None]) -> None:
+        """``driver``: the :class:`~dpex.client._driver.EpochDriver` that owns this;
+        ``policy``: ``num_workers=dpex.Autoscale(...)`` (None: only ``scale_to``);
+        ``on_scaled(n)``: tell the loader (its next iterator starts with ``n``)."""
+        self._driver = weakref.proxy(driver)  # (its owner: no reference cycle)
+        self._iterable = iterable
+        self._on_scaled = on_scaled
+        # the thread that takes the batches (the scheduler is its alone), and a count
+        # asked for from another thread, not yet carried out
+        self._training_thread, self._request = threading.get_ident(), None
+        self.autoscaler: Autoscaler | None = None
+        if policy is not None:
+            most = policy.max or max(1, int(ray.cluster_resources().get("CPU", 1)))
+            self.autoscaler = Autoscaler(policy, most, time.monotonic())
+
+    def on_training_thread(self) -> None:
+        """The calling thread takes the batches from now on."""
+        self._training_thread = threading.get_ident()
+
+    def begin(self) -> None:
+        """An epoch begins (the time between epochs is not the loop's)."""
+        if self.autoscaler is not None:
+            d = self._driver
+            self.autoscaler.begin(time.monotonic(), d.waited_total, d.taken_total)
+
+    def tick(self, draw: Callable[[], Any]) -> None:
+        """Before each take: a count asked for from another thread, then the autoscaler."""
+        n, self._request = self._request, None
         if n is not None:
-            self.scale_to(n)
+            self.scale_to(n, draw)
+        if self.autoscaler is not None:
+            self._autoscale(draw)
 
-    def scale_to(self, n: int) -> None:
+    def scale_to(self, n: int, draw: Callable[[], Any]) -> None:
         """Run ``n`` workers from now on (map-style datasets): new ones take tasks once
         ready; removed ones finish what they hold first. Nothing is lost or repeated.
         Called on another thread than the training loop's (a control server, say), it
@@ -68,83 +81,64 @@ class ElasticWorkers:
         thread's alone)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"scale_to() takes a worker count >= 1, got {n!r}")
-        if self._dataset_kind == _DatasetKind.Iterable:
+        if self._iterable:
             raise ValueError("an IterableDataset's worker count is fixed: each worker "
                              "iterates its own shard")
         if threading.get_ident() != self._training_thread:
-            self._scale_request = n
+            self._request = n
             return
-        if self._runtime.closed:
+        d = self._driver
+        if d.closed:
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
-        while self._sched.num_workers < n:
-            self._apply(self._sched.add_worker(self._next_index))
-        while self._sched.num_workers > n:
-            self._apply(self._sched.retire_worker())
-        loader = self._loader_ref()
-        if loader is not None:  # the next iterator starts with as many
-            loader._autoscale_workers = n
+        while d.sched.num_workers < n:
+            d.apply(d.sched.add_worker(draw))
+        while d.sched.num_workers > n:
+            d.apply(d.sched.retire_worker())
+        self._on_scaled(n)
 
-    def _autoscale(self) -> None:
+    def _autoscale(self, draw: Callable[[], Any]) -> None:
         """Once per ``interval``: ask the autoscaler, and carry out its decision."""
-        scaler = self._autoscaler
+        scaler, d = self.autoscaler, self._driver
         assert scaler is not None
         now = time.monotonic()
         if not scaler.due(now):
             return
-        if not self._sched.workers.all_ready():  # starting up: not the loop's pace yet
-            scaler.begin(now, self._waited_total, self._taken_total)
+        if not d.sched.workers.all_ready():  # starting up: not the loop's pace yet
+            scaler.begin(now, d.waited_total, d.taken_total)
             return
-        self._give_up_unstarted()
-        records = self._sched.workers.records
+        self.give_up_unstarted()
+        records = d.sched.workers.records
         # (an added worker starts at its first result: its HELLO can come long before,
         # while its session loads the dataset)
         starting = sum(r.added and not r.batches and not r.gone for r in records)
-        workers = self._sched.num_workers
-        new = scaler.tick(now, self._waited_total, self._taken_total, workers, starting,
-                          mean(self._sched.batch_times), self._room(),
-                          in_flight=self._sched.in_flight)
+        workers = d.sched.num_workers
+        new = scaler.tick(now, d.waited_total, d.taken_total, workers, starting,
+                          mean(d.sched.batch_times), self._room(),
+                          in_flight=d.sched.in_flight)
         if new is None or new == workers:
             return
         decision = scaler.decisions[-1]
         logger.info("dpex autoscale: %d -> %d workers: %s", workers, new, decision["reason"])
-        self.scale_to(new)
+        self.scale_to(new, draw)
 
-    def _give_up_unstarted(self) -> None:
+    def give_up_unstarted(self) -> None:
         """An added worker (or its replacement) not ready within ``startup_timeout`` is
         given up: the others take what it held."""
+        d = self._driver
         now = time.monotonic()
-        for rec in self._sched.workers.records:
+        for rec in d.sched.workers.records:
             if (rec.added and not rec.ready and rec.accepting
-                    and now - self._added_at.get(rec.id, now) > self._startup_timeout
-                    and self._sched.num_workers > 1):
+                    and now - d.added_at.get(rec.id, now) > d.startup_timeout
+                    and d.sched.num_workers > 1):
                 logger.warning("dpex: added worker %s did not start within %g s; given up",
-                               rec.id, self._startup_timeout)
-                self._apply(self._sched.retire_worker(rec.id))
+                               rec.id, d.startup_timeout)
+                d.apply(d.sched.retire_worker(rec.id))
 
     def _room(self) -> int | None:
         """How many more workers the cluster can place now (None: they reserve nothing,
         so any number can; the autoscaler notices when they no longer help)."""
-        demand = getattr(self._runtime.workers, "demand", None)
+        demand = getattr(self._driver.runtime.workers, "demand", None)
         if not demand:
             return None
         free = ray.available_resources()
         return max(0, min(int(free.get(name, 0.0) // amount) for name, amount in demand.items()))
-
-    def _start_worker(self, w: int) -> None:
-        """Start an added worker (a new id), seeded as torch seeds worker ``w``."""
-        assert w == len(self._specs), (w, len(self._specs))
-        self._specs.append(dataclasses.replace(
-            self._specs[0], worker_id=w, incarnation=0, ring=self._new_ring(w),
-            shared_seed=self._worker_shared_seed, rng_state=None,
-            num_workers=self._sched.num_workers))
-        self._added_at[w] = time.monotonic()
-        self._runtime.workers.add(self._specs[w], self._shipped)
-
-    def _stop_worker(self, w: int) -> None:
-        """A retired worker holds nothing: end its session (its exit is expected)."""
-        self._runtime.workers.retire(w)
-        self._loop.call_soon(self._session.forget, w)
-        ring = self._specs[w].ring
-        if ring is not None:
-            self._loop.call_soon(self._session.retire_ring, ring.ring_id)
-

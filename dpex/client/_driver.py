@@ -1,0 +1,495 @@
+"""The runtime under one iterator: its loop thread, session and workers, driven by its
+scheduler.
+
+:class:`EpochDriver` owns what an iterator started (:class:`Runtime`: the loop thread,
+the trainer's session, the worker group) and the :class:`EpochScheduler` that decides
+what happens to them. It carries out every action the scheduler returns, runs the
+event pump of the training thread (events from the loop thread and Ray, deadlines),
+crosses to the loop thread in one place (:meth:`EpochDriver._post`) and, on a fatal
+event, stops everything in one place before it raises (:meth:`EpochDriver._fail`).
+The iterator (``_iterator.py``) keeps torch's face: the sampler, the epoch, what it
+yields. Elastic workers (``scale_to``, autoscaling) are composed in
+(:class:`~dpex.client._elastic.Elastic`).
+
+Every method runs on the training thread (the scheduler is that thread's alone),
+except :meth:`Elastic.scale_to` called from another thread, which only leaves a
+request for the training thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import queue
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import ray
+
+from dpex._addresses import node_address
+from dpex._config import DpexConfig
+from dpex._event_loop import LoopThread
+from dpex._protocol import Kind, Wire
+from dpex._security import wire_security
+from dpex._shm import RingRef
+from dpex._spec import WorkerSpec
+from dpex._version import local_versions
+from dpex.client._deadlines import Deadlines, Due
+from dpex.client._elastic import Elastic
+from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
+from dpex.client._launch import LaunchPlan
+from dpex.client._scheduler import (
+    Control,
+    EpochScheduler,
+    Fatal,
+    KillWorker,
+    SendTasks,
+    StartReplacement,
+    StartWorker,
+    StopWorker,
+)
+from dpex.client._session import TrainerSession
+from dpex.client._workers import FleetGroup, WorkerGroup
+from dpex.errors import (
+    DpexError,
+    DpexTimeoutError,
+    EventLoopError,
+    IteratorClosedError,
+    PlacementWarning,
+    ResumeStateError,
+    WorkerDiedError,
+    WorkerStartupError,
+)
+
+__all__ = ["EpochDriver", "Runtime"]
+
+# How often a wait with no timeout wakes up to check that the loop thread lives.
+_POLL_S = 5.0
+# How long workers may take to start before dpex checks whether they wait for resources.
+_PLACEMENT_GRACE_S = 2.0
+# A worker silent this long (and at least lost.FACTOR x its usual time per batch) while
+# it holds tasks has lost them, unless DpexDataLoader(lost_batch_timeout=...) says otherwise.
+_LOST_FLOOR_S = 10.0
+_LOST_FLOOR_ITERABLE_S = 60.0  # its worker is replaced, not just asked again: be patient
+_LOST_CHECK_S = 1.0  # how often the training thread looks for lost batches while it waits
+_RNG_QUERY_S = 30.0  # how long state_dict() waits for the workers' RNG states
+logger = logging.getLogger("dpex")
+
+
+class Runtime:
+    """Everything one iterator started: loop thread, sockets, actors. Idempotent close."""
+
+    def __init__(self, name: str, handoff: queue.SimpleQueue, config: DpexConfig,
+                 label: str, worker_class: type) -> None:
+        host = node_address()  # may raise: before anything that needs closing exists
+        self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))
+        self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff,
+                                      wire_security(config.encryption))
+        self.workers: WorkerGroup | FleetGroup = (
+            FleetGroup(config.worker_pool, handoff, config.startup_timeout) if config.worker_pool
+            else WorkerGroup(worker_class, config.ray_remote_args, handoff, label,
+                             keep_s=config.warm_worker_timeout))
+        self.closed = False
+
+    def open(self) -> None:
+        # Generous: the garbage collector may run other objects' finalizers on the new
+        # thread before its loop starts; a torch iterator kept by a reference cycle (an
+        # exception's traceback) joins its worker processes there, 5 s each.
+        self.loop.start(timeout=60.0)
+        self.loop.run(self.session.open(), timeout=60.0)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.workers.stop()
+        self.loop.stop(cleanup=self.session.close)
+
+
+def ship(loader: Any, shipped: bytes) -> tuple[Any, bool]:
+    """The object store's copy of ``shipped`` (kept: replacements load the same object),
+    and whether it is the loader's previous iterator's (the same bytes: its workers'
+    nodes hold it already, nothing is put or moved again)."""
+    digest = hashlib.blake2b(shipped, digest_size=16).digest()
+    previous = getattr(loader, "_shipped", None)
+    if previous is not None and previous[0] == digest:
+        return previous[1], True
+    ref = ray.put(shipped)
+    loader._shipped = (digest, ref)
+    return ref, False
+
+
+@dataclasses.dataclass(frozen=True)
+class Seeds:
+    """What the iterator's workers are seeded with (torch's ``_base_seed`` and
+    ``_shared_seed``)."""
+
+    base: int
+    shared: Any
+
+
+class EpochDriver:
+    """One iterator's runtime and scheduler (see the module's docstring).
+
+    ``runtime`` is started by the driver, which owns it from then on (it closes it when
+    its own start fails); ``shipped``: the pickled dataset and functions, put in the
+    object store once (the loader's previous iterator's copy when they are the same). ``on_stop`` is called (weakly: a bound method of the
+    iterator, which owns the driver) whenever the driver stops everything itself
+    before it raises, so that the iterator keeps its final counters.
+    """
+
+    def __init__(self, runtime: Runtime, handoff: queue.SimpleQueue, config: DpexConfig,
+                 plan: LaunchPlan, seeds: Seeds, *, loader: Any, shipped: bytes,
+                 prefetch_factor: int,
+                 in_order: bool, iterable: bool, timeout: float,
+                 on_stop: Callable[[], None], on_scaled: Callable[[int], None]) -> None:
+        self.runtime, self.handoff = runtime, handoff
+        self.session, self.loop = runtime.session, runtime.loop
+        self.timeout, self.startup_timeout = timeout, config.startup_timeout
+        self.start_count = plan.num_workers
+        self._on_stop = weakref.WeakMethod(on_stop)
+        self._ring_bytes = config.shm_ring_bytes
+        self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
+        self.added_at: dict[int, float] = {}  # added workers' start times
+        try:
+            self._node_id = ray.get_runtime_context().get_node_id()
+            runtime.open()
+            self.specs = [
+                WorkerSpec(
+                    wire=self.session.wire, worker_id=w,
+                    num_workers=plan.num_workers, base_seed=seeds.base,
+                    data_address=self.session.data_address,
+                    control_address=self.session.control_address,
+                    keys=self.session.keys.client,
+                    niceness=os.getpriority(os.PRIO_PROCESS, 0),
+                    shared_seed=seeds.shared, ring=self.new_ring(w),
+                    pooled=config.worker_pool is not None,
+                    rng_state=plan.rng_state(w), rng_keep=plan.rng_keep,
+                    batch_seeds=plan.batch_seeds,
+                )
+                for w in range(plan.num_workers)
+            ]
+            self.deadlines = Deadlines(
+                time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
+                lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
+            # (kept: replacements load the same object)
+            self.shipped, self.shipped_reused = ship(loader, shipped)
+            self.shipped_bytes = len(shipped)
+            runtime.workers.start(self.specs, self.shipped)
+        except BaseException:
+            runtime.close()
+            raise
+        self.shared_seed = seeds.shared  # what a replacement starts with (this epoch's)
+        self.sched = EpochScheduler(
+            plan.num_workers, prefetch_factor, in_order=in_order, iterable=iterable,
+            max_restarts=config.max_worker_restarts, lost_timeout=config.lost_batch_timeout,
+            lost_floor=_LOST_FLOOR_ITERABLE_S if iterable else _LOST_FLOOR_S,
+            first_batch_timeout=config.startup_timeout)  # (its loading counts)
+        # The training loop's waits: this epoch's, and over the driver's life (the
+        # autoscaler's measure).
+        self.wait_s, self.waited_total, self.taken_total = 0.0, 0.0, 0
+        self.elastic = Elastic(self, plan.autoscale, iterable, on_scaled)
+
+    @property
+    def closed(self) -> bool:
+        return self.runtime.closed
+
+    # -- epochs and batches ----------------------------------------------------
+
+    def start_epoch(self, draw: Callable[[], Any], *, shared_seed: Any, first_worker: int,
+                    ended: frozenset, skips: dict[int, int]) -> None:
+        """Begin an epoch: ``shared_seed`` (torch's, drawn for it) is also what a
+        replacement starts with; the RESUME payload is the IterDataPipe seed."""
+        self.shared_seed = shared_seed
+        self.wait_s = 0.0
+        self.elastic.begin()
+        self.apply(self.sched.start_epoch(draw, resume=shared_seed, first_worker=first_worker,
+                                          ended=ended, skips=skips))
+
+    def next_message(self, draw: Callable[[], Any]) -> Any:
+        """The next message of the epoch in order (EPOCH_END at its end), drawing
+        index batches with ``draw`` as credits allow; waits (and recovers) as needed."""
+        self.elastic.on_training_thread()
+        while True:
+            self.elastic.tick(draw)
+            msg, actions = self.sched.take(draw)
+            self.apply(actions)
+            if msg is not None:
+                return msg
+            waited = time.monotonic()
+            try:
+                self.receive_one()
+            finally:
+                waited = time.monotonic() - waited
+                self.wait_s += waited
+                self.waited_total += waited
+
+    def apply(self, actions: list[Any]) -> None:
+        """Carry out the scheduler's actions, in its order; the messages among them go
+        to the loop thread together (one wake-up)."""
+        messages: list[SendTasks | Control] = []
+        for action in actions:
+            if isinstance(action, (SendTasks, Control)):
+                messages.append(action)
+                continue
+            if messages:
+                self._post(self.session.send_all, messages)
+                messages = []
+            if isinstance(action, StartReplacement):
+                self._start_replacement(action.worker_id, action.incarnation)
+            elif isinstance(action, StartWorker):
+                self._start_worker(action.worker_id)
+            elif isinstance(action, StopWorker):
+                self._stop_worker(action.worker_id)
+            elif isinstance(action, KillWorker):
+                self.runtime.workers.kill(action.worker_id)
+            else:
+                raise AssertionError(f"unknown scheduler action {action!r}")
+        if messages:
+            self._post(self.session.send_all, messages)
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop thread (the session is that thread's alone)."""
+        self.loop.call_soon(fn, *args)
+
+    def _fail(self, error: BaseException, cause: BaseException | None = None) -> NoReturn:
+        """Stop everything (the iterator keeps its counters), then raise ``error``."""
+        self.stop()
+        if cause is not None:
+            raise error from cause
+        raise error
+
+    def stop(self) -> None:
+        """Stop workers, sockets and thread through the iterator (it keeps its final
+        counters), or directly if the iterator is gone."""
+        on_stop = self._on_stop()
+        if on_stop is not None:
+            on_stop()
+        else:
+            self.runtime.close()
+
+    # -- the event pump ---------------------------------------------------------
+
+    @property
+    def ready(self) -> dict[int, dict]:
+        """The HELLO of each worker whose current incarnation is ready."""
+        return self.sched.workers.ready_infos()
+
+    @property
+    def known(self) -> dict[int, dict]:
+        """The last HELLO of each worker id (any incarnation)."""
+        return self.sched.workers.known_infos()
+
+    def receive_one(self, until: float | None = None) -> None:
+        """Wait for one event from the loop thread or Ray and apply it (or, with
+        ``until``, for none past that monotonic time)."""
+        if self.runtime.closed:
+            raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
+        if self.deadlines.lost_due(time.monotonic()):
+            self._check_lost()
+        event = self._wait_event(until)
+        if event is None:
+            return
+        if isinstance(event, list):  # data messages that arrived together
+            self.apply(self.sched.results(event))
+        elif isinstance(event, WorkerHello):
+            self._on_hello(event)
+        elif isinstance(event, WorkerExit):
+            self._on_exit(event)
+        elif isinstance(event, RngReply):
+            self._rng_replies[(event.worker_id, event.epoch, event.seq)] = event
+        elif isinstance(event, LoopFailure):
+            if isinstance(event.error, DpexError):  # one of dpex's own: it says what
+                self._fail(event.error)
+            self._fail(EventLoopError(f"the dpex event loop failed: {event.error!r}"),
+                       event.error)
+
+    def _wait_event(self, until: float | None = None) -> Any:
+        """The next event, within torch's ``timeout`` (or ``startup_timeout`` while
+        workers start); with no timeout, wake every few seconds to check the loop lives.
+        None once ``until`` (a monotonic time) has passed without one."""
+        starting = not self.sched.workers.all_ready()
+        deadline = self.deadlines.wait_deadline(time.monotonic(), starting)
+        while True:
+            try:  # what already arrived counts, however late this thread came to look
+                return self.handoff.get_nowait()
+            except queue.Empty:
+                pass
+            due, wait = self.deadlines.next(time.monotonic(), deadline, starting, until)
+            if due is Due.STARTUP_TIMED_OUT:
+                self._fail(self._startup_failure())
+            if due is Due.TIMED_OUT:
+                raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds")
+            if due is Due.UNTIL:
+                return None
+            if due is Due.LOST_CHECK:
+                self._check_lost()
+                continue
+            if due is Due.PLACEMENT_CHECK:
+                self._check_placement()
+                continue
+            try:
+                return self.handoff.get(timeout=wait)
+            except queue.Empty:
+                pass
+            if not self.loop.running:
+                raise EventLoopError("the dpex event-loop thread stopped unexpectedly")
+
+    def _check_lost(self) -> None:
+        self.deadlines.lost_checked(time.monotonic())
+        self.apply(self.sched.check_lost())
+        self.elastic.give_up_unstarted()
+
+    def _on_hello(self, hello: WorkerHello) -> None:
+        theirs, ours = hello.info.get("versions"), local_versions()
+        if theirs != ours:
+            self._fail(WorkerStartupError(
+                f"dpex worker {hello.worker_id} on node {hello.info.get('node_ip')} runs "
+                f"{theirs}, but this trainer runs {ours}: install the same Python and dpex "
+                "versions on every node"
+            ))
+        self.apply(self.sched.ready(hello.worker_id, hello.info))
+
+    def _on_exit(self, exit_: WorkerExit) -> None:
+        if self.runtime.closed:
+            return
+        w = exit_.worker_id
+        cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
+        fleet = isinstance(self.runtime.workers, FleetGroup)
+        actions = self.sched.exited(
+            w, exit_.incarnation, startup_error=isinstance(cause, WorkerStartupError),
+            # A worker never placed because its node went away is placed again, like a death.
+            unplaced=isinstance(cause, ray.exceptions.ActorUnschedulableError) or (
+                exit_.error is None and fleet),
+            cause=type(cause).__name__ if exit_.error is not None else "session ended",
+            at=exit_.at,
+            # A fleet worker ended the session cleanly (removed by `dpex fleet scale`).
+            moved=exit_.error is None and fleet)
+        fatal = next((a for a in actions if isinstance(a, Fatal)), None)
+        if fatal is None:
+            try:
+                self.apply(actions)
+            except BaseException:  # e.g. the fleet is gone: nowhere to restart
+                self.stop()
+                raise
+            return
+        where = self.known.get(w, {}).get("node_ip", "unknown node")
+        if fatal.startup:
+            what = str(cause) if isinstance(cause, WorkerStartupError) else (
+                f"{type(cause).__name__}: {cause}")
+            self._fail(WorkerStartupError(
+                f"dpex worker {exit_.worker_id} (node {where}) failed to start: {what}"
+            ), exit_.error)
+        pid = self.known.get(w, {}).get("pid", "?")
+        restarts = self.sched.workers[w].incarnation - self.sched.workers[w].moves
+        self._fail(WorkerDiedError(
+            f"dpex worker {w} (pid {pid}, node {where}) died after {restarts} "
+            f"restart(s), the most max_worker_restarts={self.sched.max_restarts} allows: "
+            + (f"{type(cause).__name__}: {cause}" if exit_.error is not None
+               else "its session ended without an error")
+        ), exit_.error)
+
+    def _check_placement(self) -> None:
+        """Once per start-up: warn if the workers still missing wait for resources
+        that the cluster does not have free (they reserve some; by default none)."""
+        self.deadlines.placement_checked()
+        missing = sorted(set(range(self.start_count)) - set(self.ready))
+        message = self.runtime.workers.placement_warning(missing)
+        if message:
+            logger.warning(message)
+            warnings.warn(message, PlacementWarning, stacklevel=2)
+
+    def _startup_failure(self) -> WorkerStartupError:
+        missing = sorted(set(range(self.start_count)) - set(self.ready))
+        resources = ray.available_resources()
+        return WorkerStartupError(
+            f"dpex workers {missing} did not start within startup_timeout="
+            f"{self.startup_timeout:g} s (actor options {self.runtime.workers.options}; "
+            f"resources free now: {resources}). Is the cluster busy or too small?"
+        )
+
+    # -- starting and stopping workers -------------------------------------------
+
+    def new_ring(self, worker_id: int) -> RingRef | None:
+        """A shared-memory ring for one worker (used only if it lands on this node)."""
+        if not self._ring_bytes:
+            return None
+        try:
+            return self.session.new_ring(self._ring_bytes, self._node_id, worker_id)
+        except OSError:  # no memfd here (or out of memory): that worker uses the socket
+            return None
+
+    def _start_replacement(self, w: int, incarnation: int) -> None:
+        """Start a replacement with the same worker id (same seed, worker_init_fn run
+        again); the scheduler sends it its tasks."""
+        self.deadlines.starting(time.monotonic())
+        old = self.specs[w].ring
+        if old is not None:
+            self._post(self.session.retire_ring, old.ring_id)
+        if w in self.added_at:  # (an added worker's replacement: its own start time)
+            self.added_at[w] = time.monotonic()
+        self.specs[w] = spec = dataclasses.replace(
+            self.specs[w], incarnation=incarnation,
+            shared_seed=self.shared_seed, ring=self.new_ring(w),
+            # The saved states belong to the resumed epoch; later a worker starts anew.
+            rng_state=self.specs[w].rng_state if self.sched.epoch == 1 else None)
+        self._post(self.session.expect, w, spec.incarnation)
+        self.runtime.workers.restart(spec, self.shipped)
+
+    def _start_worker(self, w: int) -> None:
+        """Start an added worker (a new id), seeded as torch seeds worker ``w``."""
+        assert w == len(self.specs), (w, len(self.specs))
+        self.specs.append(dataclasses.replace(
+            self.specs[0], worker_id=w, incarnation=0, ring=self.new_ring(w),
+            shared_seed=self.shared_seed, rng_state=None,
+            num_workers=self.sched.num_workers))
+        self.added_at[w] = time.monotonic()
+        self.runtime.workers.add(self.specs[w], self.shipped)
+
+    def _stop_worker(self, w: int) -> None:
+        """A retired worker holds nothing: end its session (its exit is expected)."""
+        self.runtime.workers.retire(w)
+        self._post(self.session.forget, w)
+        ring = self.specs[w].ring
+        if ring is not None:
+            self._post(self.session.retire_ring, ring.ring_id)
+
+    # -- state_dict() --------------------------------------------------------------
+
+    def worker_rng_states(self, asked: dict[int, tuple[int, int]]
+                          ) -> dict[int, dict | None] | None:
+        """Each worker's RNG states right after the batch ``asked`` names (for
+        ``state_dict()``). A worker not asked (none of its batches was taken) has the
+        states it started with: those it was resumed with, or its seeded ones (left
+        out: a resumed worker gets them anyway). None for a worker that no longer has
+        them (it died, or was replaced: its replacement starts from its seed)."""
+        if self.runtime.closed:
+            return None  # its workers are gone: nobody to ask
+        self._rng_replies = {}
+        incarnations = {w: self.sched.workers[w].incarnation for w in asked}
+        for w, (epoch, seq) in asked.items():
+            self._post(self.session.send, w, Kind.RNG_QUERY, epoch, seq)
+
+        def answered(w: int) -> bool:
+            return (w, *asked[w]) in self._rng_replies
+
+        deadline = time.monotonic() + _RNG_QUERY_S
+        while waiting := [w for w in asked if not answered(w)
+                          and self.sched.workers[w].incarnation == incarnations[w]]:
+            if time.monotonic() > deadline:
+                raise DpexTimeoutError(f"state_dict(): workers {waiting} did not report their "
+                                       f"RNG states within {_RNG_QUERY_S:g} s")
+            self.receive_one(until=deadline)
+        for w in asked:
+            state = self._rng_replies[(w, *asked[w])].state if answered(w) else None
+            if isinstance(state, dict) and "error" in state:  # too large to send
+                raise ResumeStateError(f"state_dict(): {state['error']}")
+        started = {w: spec.rng_state for w, spec in enumerate(self.specs)
+                   if spec.rng_state is not None}
+        return {**started, **{w: self._rng_replies[(w, *asked[w])].state if answered(w) else None
+                              for w in asked}}
