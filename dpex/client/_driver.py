@@ -137,27 +137,31 @@ class EpochDriver:
     """One iterator's runtime and scheduler (see the module's docstring).
 
     ``runtime`` is started by the driver, which owns it from then on (it closes it when
-    its own start fails); ``shipped``: the pickled dataset and functions, put in the
-    object store once (the loader's previous iterator's copy when they are the same). ``on_stop`` is called (weakly: a bound method of the
+    its own start fails); ``ship()`` puts the pickled dataset and functions in the
+    object store once (:func:`ship`: the loader's previous iterator's copy when they
+    are the same) and returns the reference and whether it was reused. The driver
+    makes no Ray call of its own beyond ``ray.available_resources`` for an error
+    message (``free_resources``): tests drive it with an in-memory runtime. ``on_stop`` is called (weakly: a bound method of the
     iterator, which owns the driver) whenever the driver stops everything itself
     before it raises, so that the iterator keeps its final counters.
     """
 
     def __init__(self, runtime: Runtime, handoff: queue.SimpleQueue, config: DpexConfig,
-                 plan: LaunchPlan, seeds: Seeds, *, loader: Any, shipped: bytes,
-                 prefetch_factor: int,
-                 in_order: bool, iterable: bool, timeout: float,
-                 on_stop: Callable[[], None], on_scaled: Callable[[int], None]) -> None:
+                 plan: LaunchPlan, seeds: Seeds, *, ship: Callable[[], tuple[Any, bool]],
+                 shipped_bytes: int, node_id: str, prefetch_factor: int, in_order: bool,
+                 iterable: bool, timeout: float, on_stop: Callable[[], None],
+                 on_scaled: Callable[[int], None],
+                 free_resources: Callable[[], dict] = ray.available_resources) -> None:
         self.runtime, self.handoff = runtime, handoff
         self.session, self.loop = runtime.session, runtime.loop
         self.timeout, self.startup_timeout = timeout, config.startup_timeout
         self.start_count = plan.num_workers
         self._on_stop = weakref.WeakMethod(on_stop)
-        self._ring_bytes = config.shm_ring_bytes
+        self._ring_bytes, self._node_id = config.shm_ring_bytes, node_id
+        self._free_resources = free_resources
         self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
         self.added_at: dict[int, float] = {}  # added workers' start times
         try:
-            self._node_id = ray.get_runtime_context().get_node_id()
             runtime.open()
             self.specs = [
                 WorkerSpec(
@@ -178,8 +182,8 @@ class EpochDriver:
                 time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
                 lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
             # (kept: replacements load the same object)
-            self.shipped, self.shipped_reused = ship(loader, shipped)
-            self.shipped_bytes = len(shipped)
+            self.shipped, self.shipped_reused = ship()
+            self.shipped_bytes = shipped_bytes
             runtime.workers.start(self.specs, self.shipped)
         except BaseException:
             runtime.close()
@@ -406,7 +410,7 @@ class EpochDriver:
 
     def _startup_failure(self) -> WorkerStartupError:
         missing = sorted(set(range(self.start_count)) - set(self.ready))
-        resources = ray.available_resources()
+        resources = self._free_resources()
         return WorkerStartupError(
             f"dpex workers {missing} did not start within startup_timeout="
             f"{self.startup_timeout:g} s (actor options {self.runtime.workers.options}; "

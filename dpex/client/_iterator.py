@@ -18,6 +18,7 @@ import traceback
 import weakref
 from typing import Any
 
+import ray
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind, _utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
@@ -27,7 +28,7 @@ from dpex._ray_connect import connect_ray
 from dpex._reaper import finalizer_for
 from dpex._spec import ShippedLoader, stateful_dataset
 from dpex._stats import Latencies, LoaderStats
-from dpex.client._driver import EpochDriver, Runtime, Seeds
+from dpex.client._driver import EpochDriver, Runtime, Seeds, ship
 from dpex.client._elastic import mean
 from dpex.client._launch import plan_launch
 from dpex.client._resume import Drawing
@@ -96,7 +97,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                                   iterable and stateful_dataset(self._dataset), plan.shards)
         self._driver = EpochDriver(
             runtime, handoff, config, plan, Seeds(self._base_seed, self._shared_seed),
-            loader=loader, shipped=shipped, prefetch_factor=loader.prefetch_factor,
+            ship=functools.partial(ship, loader, shipped), shipped_bytes=len(shipped),
+            node_id=ray.get_runtime_context().get_node_id(),
+            prefetch_factor=loader.prefetch_factor,
             in_order=loader.in_order, iterable=iterable, timeout=self._timeout,
             on_stop=self._shutdown_workers, on_scaled=_scaled(self._loader_ref))
         self._reset(loader, first_iter=True)

@@ -1,0 +1,291 @@
+"""EpochDriver (dpex/client/_driver.py) on an in-memory runtime: no Ray, no sockets, no
+threads. The loop thread runs what it is given at once, the session records what it
+sends, the worker group records what it starts; workers "answer" by putting events
+on the driver's queue, as the loop thread and the worker group do. What the live
+tests (test_lifecycle.py, test_errors.py, test_lost.py, test_autoscale.py) check end to
+end, these check of the driver's own rules, in milliseconds."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from dpex._config import DpexConfig
+from dpex._protocol import Kind, Message
+from dpex._version import local_versions
+from dpex.client._driver import EpochDriver, Seeds
+from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
+from dpex.client._launch import plan_launch
+from dpex.client._scheduler import EPOCH_END, Control, KillWorker, SendTasks
+from dpex.errors import DpexError, EventLoopError, WorkerDiedError, WorkerStartupError
+
+
+class Session:
+    """The trainer session's face to the driver: what was sent, in order."""
+
+    wire, data_address, control_address = "wire", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
+    keys = SimpleNamespace(client="keys")
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def send_all(self, messages) -> None:
+        self.sent.append(("send_all", [(type(m).__name__, m.worker_id) for m in messages]))
+
+    def send(self, w, kind, *payload) -> None:
+        self.sent.append(("send", w, kind, *payload))
+
+    def expect(self, w, incarnation) -> None:
+        self.sent.append(("expect", w, incarnation))
+
+    def forget(self, w) -> None:
+        self.sent.append(("forget", w))
+
+    def retire_ring(self, ring_id) -> None:
+        self.sent.append(("retire_ring", ring_id))
+
+    def new_ring(self, size, node, w):
+        raise OSError("no rings in memory")
+
+    def counters(self) -> dict:
+        return {}
+
+
+class Loop:
+    """The loop thread: runs what it is given at once, and counts the crossings."""
+
+    running = True
+
+    def __init__(self) -> None:
+        self.crossings = 0
+
+    def call_soon(self, fn, *args) -> None:
+        self.crossings += 1
+        fn(*args)
+
+
+class Workers:
+    options: dict = {}
+    actors: dict = {}
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def start(self, specs, shipped) -> None:
+        self.calls.append(("start", [s.worker_id for s in specs], shipped))
+
+    def restart(self, spec, shipped) -> None:
+        self.calls.append(("restart", spec.worker_id, spec.incarnation))
+
+    def add(self, spec, shipped) -> None:
+        self.calls.append(("add", spec.worker_id, spec.num_workers))
+
+    def retire(self, w) -> None:
+        self.calls.append(("retire", w))
+
+    def kill(self, w) -> None:
+        self.calls.append(("kill", w))
+
+    def stop(self) -> None:
+        self.calls.append(("stop",))
+
+    def placement_warning(self, missing):
+        return None
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.session, self.loop, self.workers = Session(), Loop(), Workers()
+        self.closed = self.opened = False
+
+    def open(self) -> None:
+        self.opened = True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.workers.stop()
+
+
+class Owner:
+    """The iterator's part: it owns the driver and is told when the driver stops it."""
+
+    def __init__(self) -> None:
+        self.stops = 0
+        self.scaled: list[int] = []
+
+    def stop(self) -> None:
+        self.stops += 1
+        self.driver.runtime.close()
+
+
+def driver(num_workers=2, startup_timeout=120.0, max_restarts=3, **config):
+    runtime, handoff, owner = Runtime(), queue.SimpleQueue(), Owner()
+    plan = plan_launch(num_workers=num_workers, scaled_to=None, prefetch_factor=2,
+                       iterable=False, worker_seeding="torch", resume=None)
+    owner.driver = d = EpochDriver(
+        runtime, handoff, DpexConfig(startup_timeout=startup_timeout,
+                                     max_worker_restarts=max_restarts, **config),
+        plan, Seeds(base=100, shared=None), ship=lambda: ("ref", False), shipped_bytes=10,
+        node_id="node", prefetch_factor=2, in_order=True, iterable=False, timeout=0,
+        on_stop=owner.stop, on_scaled=owner.scaled.append,
+        free_resources=lambda: {"CPU": 0.0})
+    return d, runtime, handoff, owner
+
+
+def draws(n=8):
+    it = iter([[i] for i in range(n)])
+    return lambda: next(it)
+
+
+def hello(w):
+    return WorkerHello(w, {"versions": local_versions(), "node_ip": "127.0.0.1", "pid": 7})
+
+
+def batch(w, seq, epoch=1, payload=None):
+    return Message(Kind.BATCH, b"s", epoch, seq, w, payload if payload is not None else seq)
+
+
+def test_the_driver_opens_its_runtime_and_starts_every_worker_with_its_spec():
+    d, runtime, _, _ = driver(3)
+    assert runtime.opened
+    assert runtime.workers.calls == [("start", [0, 1, 2], "ref")]
+    assert [s.base_seed for s in d.specs] == [100] * 3
+    assert {s.ring for s in d.specs} == {None}  # no ring could be made: the socket path
+
+
+def test_a_failed_start_closes_the_runtime_it_was_given():
+    runtime = Runtime()
+
+    def ship():
+        raise RuntimeError("object store full")
+
+    with pytest.raises(RuntimeError, match="object store full"):
+        EpochDriver(runtime, queue.SimpleQueue(), DpexConfig(),
+                    plan_launch(num_workers=1, scaled_to=None, prefetch_factor=2,
+                                iterable=False, worker_seeding="torch", resume=None),
+                    Seeds(1, None), ship=ship, shipped_bytes=1, node_id="n",
+                    prefetch_factor=2, in_order=True, iterable=False, timeout=0,
+                    on_stop=Owner().stop, on_scaled=lambda n: None)
+    assert runtime.closed and runtime.workers.calls == [("stop",)]
+
+
+def test_an_epochs_batches_come_in_order_and_the_tasks_cross_to_the_loop_together():
+    d, runtime, handoff, _ = driver(2)
+    draw = draws(4)
+    d.start_epoch(draw, shared_seed=None, first_worker=0, ended=frozenset(), skips={})
+    handoff.put(hello(0))
+    handoff.put(hello(1))
+    handoff.put([batch(1, 1), batch(0, 0)])  # (worker 1's came first)
+    assert d.next_message(draw).payload == 0
+    assert d.next_message(draw).payload == 1
+    handoff.put([batch(0, 2), batch(1, 3)])
+    assert [d.next_message(draw).payload for _ in range(2)] == [2, 3]
+    assert d.next_message(draw) is EPOCH_END
+
+
+def test_a_worker_of_other_versions_stops_everything_then_is_refused_by_name():
+    d, runtime, handoff, owner = driver(1)
+    d.start_epoch(draws(), shared_seed=None, first_worker=0, ended=frozenset(), skips={})
+    handoff.put(WorkerHello(0, {"versions": {"dpex": "0.0.1"}, "node_ip": "10.0.0.9"}))
+    with pytest.raises(WorkerStartupError, match=r"worker 0 on node 10\.0\.0\.9 runs"):
+        d.receive_one()
+    assert owner.stops == 1 and runtime.closed
+
+
+def test_a_dead_worker_is_replaced_with_the_next_incarnation_and_expected():
+    d, runtime, handoff, owner = driver(2)
+    draw = draws()
+    d.start_epoch(draw, shared_seed=None, first_worker=0, ended=frozenset(), skips={})
+    handoff.put(hello(0))
+    handoff.put(hello(1))
+    d.receive_one()
+    d.receive_one()
+    handoff.put(WorkerExit(1, RuntimeError("killed"), incarnation=0))
+    d.receive_one()
+    assert ("restart", 1, 1) in runtime.workers.calls
+    assert ("expect", 1, 1) in runtime.session.sent
+    assert owner.stops == 0 and not runtime.closed
+
+
+def test_one_death_more_than_max_worker_restarts_stops_everything_then_says_so():
+    d, runtime, handoff, owner = driver(1, max_restarts=0)
+    d.start_epoch(draws(), shared_seed=None, first_worker=0, ended=frozenset(), skips={})
+    handoff.put(hello(0))
+    d.receive_one()
+    handoff.put(WorkerExit(0, RuntimeError("segfault"), incarnation=0))
+    with pytest.raises(WorkerDiedError, match=r"worker 0 \(pid 7, node 127\.0\.0\.1\) died "
+                       r"after 0 restart\(s\).*max_worker_restarts=0.*segfault"):
+        d.receive_one()
+    assert owner.stops == 1 and runtime.closed
+
+
+@pytest.mark.parametrize("error,raised", [
+    (DpexError("dpex's own words"), DpexError),
+    (ValueError("a bug"), EventLoopError),
+])
+def test_a_loop_failure_stops_everything_then_raises_in_dpexs_words(error, raised):
+    d, runtime, handoff, owner = driver(1)
+    handoff.put(LoopFailure(error))
+    with pytest.raises(raised) as info:
+        d.receive_one()
+    assert owner.stops == 1 and runtime.closed
+    assert info.value is error if raised is DpexError else info.value.__cause__ is error
+
+
+def test_workers_that_never_start_stop_everything_then_are_named():
+    d, runtime, handoff, owner = driver(2, startup_timeout=0.05)
+    d.start_epoch(draws(), shared_seed=None, first_worker=0, ended=frozenset(), skips={})
+    handoff.put(hello(0))
+    d.receive_one()
+    with pytest.raises(WorkerStartupError, match=r"workers \[1\] did not start within "
+                       r"startup_timeout=0.05 s.*resources free now: \{'CPU': 0.0\}"):
+        d.receive_one()
+    assert owner.stops == 1 and runtime.closed
+
+
+def test_the_workers_rng_states_are_asked_for_and_collected():
+    d, runtime, handoff, _ = driver(2)
+    d.start_epoch(draws(), shared_seed=None, first_worker=0, ended=frozenset(), skips={})
+    handoff.put(RngReply(0, 1, 4, {"torch": "zero"}))
+    handoff.put(RngReply(1, 1, 5, {"torch": "one"}))
+    assert d.worker_rng_states({0: (1, 4), 1: (1, 5)}) == {
+        0: {"torch": "zero"}, 1: {"torch": "one"}}
+    assert ("send", 0, Kind.RNG_QUERY, 1, 4) in runtime.session.sent
+
+
+def test_scaling_adds_workers_with_new_ids_and_retires_them_through_the_scheduler():
+    d, runtime, handoff, owner = driver(1)
+    draw = draws(40)
+    d.start_epoch(draw, shared_seed=None, first_worker=0, ended=frozenset(), skips={})
+    d.elastic.scale_to(3, draw)
+    assert [c for c in runtime.workers.calls if c[0] == "add"] == [("add", 1, 2), ("add", 2, 3)]
+    assert owner.scaled == [3] and [s.worker_id for s in d.specs] == [0, 1, 2]
+    d.elastic.scale_to(2, draw)
+    assert d.sched.num_workers == 2 and owner.scaled == [3, 2]
+
+
+def test_a_count_asked_for_from_another_thread_waits_for_the_training_thread():
+    d, runtime, handoff, owner = driver(1)
+    draw = draws(40)
+    d.start_epoch(draw, shared_seed=None, first_worker=0, ended=frozenset(), skips={})
+    other = threading.Thread(target=d.elastic.scale_to, args=(2, draw))
+    other.start()
+    other.join(5)
+    assert d.sched.num_workers == 1 and owner.scaled == []  # only asked for
+    d.elastic.tick(draw)  # the training thread, before its next take
+    assert d.sched.num_workers == 2 and owner.scaled == [2]
+
+
+def test_the_messages_among_actions_cross_to_the_loop_together_in_their_order():
+    d, runtime, _, _ = driver(2)
+    crossings = runtime.loop.crossings
+    d.apply([SendTasks(0, 1, [(0, [0])]), Control(1, Kind.SKIP, 1, 2), KillWorker(1),
+             SendTasks(0, 1, [(2, [2])])])
+    assert runtime.session.sent == [("send_all", [("SendTasks", 0), ("Control", 1)]),
+                                    ("send_all", [("SendTasks", 0)])]
+    assert runtime.workers.calls[-1] == ("kill", 1)
+    assert runtime.loop.crossings - crossings == 2
