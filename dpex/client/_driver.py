@@ -133,6 +133,16 @@ class Seeds:
     shared: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class Shipment:
+    """The shipped loader in the object store: its reference, whether it is the
+    loader's previous iterator's copy, and its size."""
+
+    ref: Any
+    reused: bool
+    size: int
+
+
 class EpochDriver:
     """One iterator's runtime and scheduler (see the module's docstring).
 
@@ -153,7 +163,6 @@ class EpochDriver:
                  on_scaled: Callable[[int], None],
                  free_resources: Callable[[], dict] = ray.available_resources) -> None:
         self.runtime, self.handoff = runtime, handoff
-        self.session, self.loop = runtime.session, runtime.loop
         self.timeout, self.startup_timeout = timeout, config.startup_timeout
         self.start_count = plan.num_workers
         self._on_stop = weakref.WeakMethod(on_stop)
@@ -182,9 +191,9 @@ class EpochDriver:
                 time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
                 lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
             # (kept: replacements load the same object)
-            self.shipped, self.shipped_reused = ship()
-            self.shipped_bytes = shipped_bytes
-            runtime.workers.start(self.specs, self.shipped)
+            ref, reused = ship()
+            self.shipped = Shipment(ref, reused, shipped_bytes)
+            runtime.workers.start(self.specs, ref)
         except BaseException:
             runtime.close()
             raise
@@ -202,6 +211,14 @@ class EpochDriver:
     @property
     def closed(self) -> bool:
         return self.runtime.closed
+
+    @property
+    def session(self) -> TrainerSession:
+        return self.runtime.session
+
+    @property
+    def loop(self) -> LoopThread:
+        return self.runtime.loop
 
     # -- epochs and batches ----------------------------------------------------
 
@@ -443,7 +460,7 @@ class EpochDriver:
             # The saved states belong to the resumed epoch; later a worker starts anew.
             rng_state=self.specs[w].rng_state if self.sched.epoch == 1 else None)
         self._post(self.session.expect, w, spec.incarnation)
-        self.runtime.workers.restart(spec, self.shipped)
+        self.runtime.workers.restart(spec, self.shipped.ref)
 
     def _start_worker(self, w: int) -> None:
         """Start an added worker (a new id), seeded as torch seeds worker ``w``."""
@@ -453,7 +470,7 @@ class EpochDriver:
             shared_seed=self.shared_seed, rng_state=None,
             num_workers=self.sched.num_workers))
         self.added_at[w] = time.monotonic()
-        self.runtime.workers.add(self.specs[w], self.shipped)
+        self.runtime.workers.add(self.specs[w], self.shipped.ref)
 
     def _stop_worker(self, w: int) -> None:
         """A retired worker holds nothing: end its session (its exit is expected)."""
