@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -289,3 +290,18 @@ def test_the_messages_among_actions_cross_to_the_loop_together_in_their_order():
                                     ("send_all", [("SendTasks", 0)])]
     assert runtime.workers.calls[-1] == ("kill", 1)
     assert runtime.loop.crossings - crossings == 2
+
+
+def test_an_added_worker_not_ready_within_startup_timeout_is_given_up():
+    d, runtime, handoff, _ = driver(1, startup_timeout=0.2)
+    draw = draws(40)
+    d.start_epoch(draw, shared_seed=None, first_worker=0, ended=frozenset(), skips={})
+    handoff.put(hello(0))
+    d.receive_one()
+    d.elastic.scale_to(2, draw)
+    d.elastic.give_up_unstarted()
+    assert d.sched.num_workers == 2  # within its time
+    time.sleep(0.25)
+    d.elastic.give_up_unstarted()
+    assert d.sched.num_workers == 1 and d.sched.workers[1].gone
+    assert ("retire", 1) in runtime.workers.calls

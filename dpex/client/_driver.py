@@ -169,7 +169,6 @@ class EpochDriver:
         self._ring_bytes, self._node_id = config.shm_ring_bytes, node_id
         self._free_resources = free_resources
         self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
-        self.added_at: dict[int, float] = {}  # added workers' start times
         try:
             runtime.open()
             self.specs = [
@@ -452,8 +451,9 @@ class EpochDriver:
         old = self.specs[w].ring
         if old is not None:
             self._post(self.session.retire_ring, old.ring_id)
-        if w in self.added_at:  # (an added worker's replacement: its own start time)
-            self.added_at[w] = time.monotonic()
+        record = self.sched.workers[w]
+        if record.added:  # (an added worker's replacement: its own start time)
+            record.started_at = time.monotonic()
         self.specs[w] = spec = dataclasses.replace(
             self.specs[w], incarnation=incarnation,
             shared_seed=self.shared_seed, ring=self.new_ring(w),
@@ -469,7 +469,7 @@ class EpochDriver:
             self.specs[0], worker_id=w, incarnation=0, ring=self.new_ring(w),
             shared_seed=self.shared_seed, rng_state=None,
             num_workers=self.sched.num_workers))
-        self.added_at[w] = time.monotonic()
+        self.sched.workers[w].started_at = time.monotonic()
         self.runtime.workers.add(self.specs[w], self.shipped.ref)
 
     def _stop_worker(self, w: int) -> None:

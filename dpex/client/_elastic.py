@@ -128,7 +128,7 @@ class Elastic:
         now = time.monotonic()
         for rec in d.sched.workers.records:
             if (rec.added and not rec.ready and rec.accepting
-                    and now - d.added_at.get(rec.id, now) > d.startup_timeout
+                    and now - (rec.started_at or now) > d.startup_timeout
                     and d.sched.num_workers > 1):
                 logger.warning("dpex: added worker %s did not start within %g s; given up",
                                rec.id, d.startup_timeout)

@@ -63,6 +63,7 @@ class WorkerRecord:
     batches: int = 0  # its results that counted, this iterator
     first_ready_at: float | None = None
     added: bool = False  # started during the iteration (elastic), not with it
+    started_at: float | None = None  # an added worker: when its current incarnation started
     retiring: bool = False  # takes no new task; stopped once it holds none
     gone: bool = False  # retired (or its start given up): no longer one of the workers
     moves: int = 0  # replacements after its fleet worker ended the session (not deaths)
