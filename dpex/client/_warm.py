@@ -66,7 +66,6 @@ class WarmPool:
         self._returning: list[_Entry] = []
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
-        self.reused = 0  # sessions started on a warm actor (for stats and tests)
 
     # -- what a worker group calls -----------------------------------------------
 
@@ -90,7 +89,6 @@ class WarmPool:
                 for i, entry in enumerate(self._idle):
                     if fits(entry):
                         del self._idle[i]
-                        self.reused += 1
                         return entry.actor
                 left = deadline - time.monotonic()
                 if left <= 0 or not any(fits(e) for e in self._returning):

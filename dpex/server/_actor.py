@@ -57,7 +57,6 @@ class DpexWorker:
         (docs/WARM_WORKERS.md). ``fleet_setting``: how its fleet was started
         (``dpex fleet scale`` starts more workers the same way)."""
         self.session_timeout = session_timeout
-        self.pooled = pooled
         self.fleet_setting = fleet_setting
         self.draining = False
         self.placement = _placement()
