@@ -68,7 +68,7 @@ class Loop:
         fn(*args)
 
 
-class Workers:
+class Workers:  # dpex.client._workers.Workers, in memory
     options: dict = {}
     actors: dict = {}
 
@@ -305,3 +305,14 @@ def test_an_added_worker_not_ready_within_startup_timeout_is_given_up():
     d.elastic.give_up_unstarted()
     assert d.sched.num_workers == 1 and d.sched.workers[1].gone
     assert ("retire", 1) in runtime.workers.calls
+
+
+def test_both_worker_groups_and_the_in_memory_one_have_what_the_driver_asks_for():
+    from dpex.client import _workers
+
+    asked = {name for name in vars(_workers.Workers) if not name.startswith("_")}
+    asked |= set(_workers.Workers.__annotations__)
+    assert {"start", "restart", "add", "retire", "kill", "stop", "options", "actors"} <= asked
+    for group in (_workers.WorkerGroup, _workers.FleetGroup, Workers):
+        methods = {n for n in asked if callable(getattr(_workers.Workers, n, None))}
+        assert methods <= set(dir(group)), (group, methods - set(dir(group)))

@@ -54,7 +54,7 @@ from dpex.client._scheduler import (
     StopWorker,
 )
 from dpex.client._session import TrainerSession
-from dpex.client._workers import FleetGroup, WorkerGroup
+from dpex.client._workers import FleetGroup, WorkerGroup, Workers
 from dpex.errors import (
     DpexError,
     DpexTimeoutError,
@@ -90,7 +90,7 @@ class Runtime:
         self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))
         self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff,
                                       wire_security(config.encryption))
-        self.workers: WorkerGroup | FleetGroup = (
+        self.workers: Workers = (
             FleetGroup(config.worker_pool, handoff, config.startup_timeout) if config.worker_pool
             else WorkerGroup(worker_class, config.ray_remote_args, handoff, label,
                              keep_s=config.warm_worker_timeout))
