@@ -12,7 +12,7 @@ import torch
 from dsets import assert_same
 
 from dpex import DpexDataLoader
-from dpex.server._task_runner import batch_seed, seed_batch
+from dpex.server._rng import batch_seed, seed_batch
 
 pytestmark = pytest.mark.timeout(300)
 ray_only = pytest.mark.usefixtures("ray_session")

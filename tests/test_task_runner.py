@@ -88,7 +88,7 @@ def test_an_error_over_max_message_bytes_still_reaches_the_trainer_as_an_error()
 def test_the_rng_recorder_takes_numpys_state_exactly_even_when_it_skips_the_slow_call():
     import numpy as np
 
-    from dpex.server._task_runner import RngRecorder, restore_rng
+    from dpex.server._rng import RngRecorder, restore_rng
 
     def full():
         kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -116,3 +116,14 @@ def test_the_rng_recorder_takes_numpys_state_exactly_even_when_it_skips_the_slow
     for i, state in enumerate(taken[:-1]):  # a resumed worker draws what the first drew
         restore_rng(state)
         assert [draw(step) for step in steps[i + 1:]] == drawn[i + 1:], i
+
+
+def test_the_rng_log_keeps_the_newest_states_and_its_epochs_start():
+    from dpex.server._rng import RngLog
+
+    log = RngLog(keep=2)
+    log.epoch_began(1, {"at": "start"})
+    for seq in range(4):
+        log.task_done(1, seq, {"at": seq})
+    assert log.after(1, -1) == {"at": "start"} and log.after(2, -1) is None
+    assert [log.after(1, seq) for seq in range(4)] == [None, None, {"at": 2}, {"at": 3}]

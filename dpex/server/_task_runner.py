@@ -7,15 +7,9 @@ becomes the frames of one data message (a batch, a wrapped error, or END).
 
 from __future__ import annotations
 
-import collections
 import copy
-import ctypes
-import hashlib
 import logging
 import random
-import struct
-import sys
-import threading
 import time
 from typing import Any
 
@@ -31,9 +25,10 @@ from dpex._shm import WorkerRing, collating_into
 from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
+from dpex.server._rng import RngLog, RngRecorder, batch_seed, restore_rng, seed_batch
 from dpex.server._trainer_state import enter_trainer_state
 
-__all__ = ["TaskRunner", "batch_seed", "seed_batch"]
+__all__ = ["TaskRunner"]
 
 logger = logging.getLogger("dpex")
 
@@ -48,84 +43,6 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
         return seed
     np.random.seed(torch_worker._generate_state(base_seed, worker_id))
     return seed
-
-
-def batch_seed(base_seed: int, epoch: int, position: int) -> bytes:
-    """worker_seeding="per_batch": 32 bytes that depend only on which batch this is
-    (the iterator's base seed, the epoch it serves, the batch's place in the epoch)."""
-    return hashlib.blake2b(struct.pack("<Qqq", base_seed & (2**64 - 1), epoch, position),
-                           digest_size=32, person=b"dpex-batch-seed").digest()
-
-
-def seed_batch(digest: bytes) -> None:
-    """Seed torch, ``random`` and NumPy (where installed) from :func:`batch_seed`."""
-    seed = int.from_bytes(digest[:8], "little") >> 1  # torch takes up to 2**63 - 1 here
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed(np.frombuffer(digest[8:24], dtype=np.uint32))
-
-
-_MT_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
-
-
-class RngRecorder:
-    """Takes this process's torch, ``random`` and NumPy global RNG states after every
-    task, as plain data (a checkpoint reads them back with ``torch.load(weights_only=
-    True)``), cheaply.
-
-    NumPy's ``get_state()`` costs ~60 µs, most of a small batch's time, while most
-    datasets never touch NumPy's global RNG. So its state is taken again only when
-    its generator's raw words (read in place: ~1 µs) changed, or when the last one
-    taken holds a cached Gaussian (which the next normal draw uses up without
-    touching the words). If the words cannot be read as expected, every capture
-    takes the full state.
-    """
-
-    def __init__(self) -> None:
-        self._numpy: tuple | None = None  # the last NumPy state taken
-        self._words: bytes | None = None  # its raw generator words
-        self._fast = True
-
-    def capture(self) -> dict:
-        state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
-        np = sys.modules.get("numpy")  # torch seeds it only where it is installed
-        if np is not None:
-            state["numpy"] = self._numpy_state(np)
-        return state
-
-    def _numpy_state(self, np: Any) -> tuple:
-        words = self._raw_words(np) if self._fast else None
-        if words is None or words != self._words or self._numpy is None or self._numpy[3]:
-            kind, keys, pos, has_gauss, cached = np.random.get_state()
-            # (the words as a tensor: torch.load(weights_only=True) reads any pickle of it)
-            self._numpy = (kind, torch.from_numpy(keys.view(np.int32).copy()), int(pos),
-                           int(has_gauss), float(cached))
-            if words is not None and words != keys.tobytes() + int(pos).to_bytes(4, "little"):
-                self._fast, words = False, None  # not the layout expected: always in full
-            self._words = words
-        return self._numpy
-
-    def _raw_words(self, np: Any) -> bytes | None:
-        try:
-            address = np.random.mtrand._rand._bit_generator.ctypes.state_address
-        except AttributeError:
-            self._fast = False
-            return None
-        return ctypes.string_at(address, _MT_STATE_BYTES)
-
-
-def restore_rng(state: dict) -> None:
-    """Put back what :meth:`RngRecorder.capture` took."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["random"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().view(np.uint32).copy(), pos, has_gauss,
-                             cached))
 
 
 def _load(shipped: bytes) -> ShippedLoader:
@@ -163,11 +80,9 @@ class TaskRunner:
         self.ring = ring
         self.transport: Transport = (RingTransport(sender=ring) if ring is not None
                                      else transport or SOCKET)
-        # The RNG states right after each recent task, by (epoch, seq): state_dict() asks
-        # for those of the last batch of this worker's that the training loop took.
-        self._rng_after: collections.OrderedDict[tuple[int, int], dict] = (
-            collections.OrderedDict())
-        self._rng_lock = threading.Lock()  # written here, read by the control thread
+        # The RNG states right after each recent task: state_dict() asks for those of
+        # the last batch of this worker's that the training loop took.
+        self._rng = RngLog(spec.rng_keep)
         self._recorder = RngRecorder()
         self._dataset_state_failed = False
         self.loader: ShippedLoader = _load(shipped)
@@ -187,7 +102,6 @@ class TaskRunner:
         self._skip: tuple[int, int] | None = None  # (epoch, batches) to fast-forward
         self.init_error: ExceptionWrapper | None = None
         self.fetcher = None
-        self._epoch_start: tuple[int, dict] | None = None
         try:
             if self.loader.worker_init_fn is not None:
                 self.loader.worker_init_fn(spec.worker_id)
@@ -233,7 +147,7 @@ class TaskRunner:
 
     def _mark_epoch_start(self, epoch: int) -> None:
         if self.spec.rng_keep:
-            self._epoch_start = (epoch, self._snapshot())
+            self._rng.epoch_began(epoch, self._snapshot())
 
     def skip(self, n: int, epoch: int) -> None:
         """A replacement's fast-forward: the first ``n`` batches of this worker's
@@ -265,22 +179,14 @@ class TaskRunner:
                                   seq + (skip if epoch == 1 else 0)))
         frames = self._run_task(epoch, seq, indices)
         if self.spec.rng_keep:
-            state = self._snapshot()
-            with self._rng_lock:
-                self._rng_after[(epoch, seq)] = state
-                while len(self._rng_after) > self.spec.rng_keep:
-                    self._rng_after.popitem(last=False)
+            self._rng.task_done(epoch, seq, self._snapshot())
         return frames
 
     def rng_after(self, epoch: int, seq: int) -> dict | None:
         """The RNG states right after task ``seq`` of ``epoch`` (seq -1: when the epoch
         began; None if this worker did not run it, or not recently), with a stateful
         IterableDataset's own state. Any thread."""
-        with self._rng_lock:
-            if seq == -1:
-                start = self._epoch_start
-                return start[1] if start is not None and start[0] == epoch else None
-            return self._rng_after.get((epoch, seq))
+        return self._rng.after(epoch, seq)
 
     def _snapshot(self) -> dict:
         state = self._recorder.capture()
