@@ -17,9 +17,10 @@ import pytest
 from dpex._config import DpexConfig
 from dpex._protocol import Kind, Message
 from dpex._version import local_versions
-from dpex.client._driver import EpochDriver, Seeds
+from dpex.client._driver import EpochDriver
 from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
 from dpex.client._launch import plan_launch
+from dpex.client._runtime import Seeds
 from dpex.client._scheduler import EPOCH_END, Control, KillWorker, SendTasks
 from dpex.errors import DpexError, EventLoopError, WorkerDiedError, WorkerStartupError
 
@@ -68,7 +69,7 @@ class Loop:
         fn(*args)
 
 
-class Workers:  # dpex.client._workers.Workers, in memory
+class Workers:  # dpex.client._runtime.Workers, in memory
     options: dict = {}
     actors: dict = {}
 
@@ -308,11 +309,11 @@ def test_an_added_worker_not_ready_within_startup_timeout_is_given_up():
 
 
 def test_both_worker_groups_and_the_in_memory_one_have_what_the_driver_asks_for():
-    from dpex.client import _workers
+    from dpex.client import _runtime, _workers
 
-    asked = {name for name in vars(_workers.Workers) if not name.startswith("_")}
-    asked |= set(_workers.Workers.__annotations__)
+    asked = {name for name in vars(_runtime.Workers) if not name.startswith("_")}
+    asked |= set(_runtime.Workers.__annotations__)
     assert {"start", "restart", "add", "retire", "kill", "stop", "options", "actors"} <= asked
     for group in (_workers.WorkerGroup, _workers.FleetGroup, Workers):
-        methods = {n for n in asked if callable(getattr(_workers.Workers, n, None))}
+        methods = {n for n in asked if callable(getattr(_runtime.Workers, n, None))}
         assert methods <= set(dir(group)), (group, methods - set(dir(group)))

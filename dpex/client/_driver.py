@@ -19,7 +19,6 @@ request for the training thread.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import queue
@@ -31,11 +30,9 @@ from typing import Any, NoReturn
 
 import ray
 
-from dpex._addresses import node_address
 from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
-from dpex._protocol import Kind, Wire
-from dpex._security import wire_security
+from dpex._protocol import Kind
 from dpex._shm import RingRef
 from dpex._spec import WorkerSpec
 from dpex._version import local_versions
@@ -43,6 +40,7 @@ from dpex.client._deadlines import Deadlines, Due
 from dpex.client._elastic import Elastic
 from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
 from dpex.client._launch import LaunchPlan
+from dpex.client._runtime import Runtime, Seeds, Shipment
 from dpex.client._scheduler import (
     Control,
     EpochScheduler,
@@ -54,7 +52,7 @@ from dpex.client._scheduler import (
     StopWorker,
 )
 from dpex.client._session import TrainerSession
-from dpex.client._workers import FleetGroup, WorkerGroup, Workers
+from dpex.client._workers import FleetGroup
 from dpex.errors import (
     DpexError,
     DpexTimeoutError,
@@ -66,7 +64,7 @@ from dpex.errors import (
     WorkerStartupError,
 )
 
-__all__ = ["EpochDriver", "Runtime"]
+__all__ = ["EpochDriver"]
 
 # How often a wait with no timeout wakes up to check that the loop thread lives.
 _POLL_S = 5.0
@@ -79,68 +77,6 @@ _LOST_FLOOR_ITERABLE_S = 60.0  # its worker is replaced, not just asked again: b
 _LOST_CHECK_S = 1.0  # how often the training thread looks for lost batches while it waits
 _RNG_QUERY_S = 30.0  # how long state_dict() waits for the workers' RNG states
 logger = logging.getLogger("dpex")
-
-
-class Runtime:
-    """Everything one iterator started: loop thread, sockets, actors. Idempotent close."""
-
-    def __init__(self, name: str, handoff: queue.SimpleQueue, config: DpexConfig,
-                 label: str, worker_class: type) -> None:
-        host = node_address()  # may raise: before anything that needs closing exists
-        self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))
-        self.session = TrainerSession(Wire.new(config.max_message_bytes), host, handoff,
-                                      wire_security(config.encryption))
-        self.workers: Workers = (
-            FleetGroup(config.worker_pool, handoff, config.startup_timeout) if config.worker_pool
-            else WorkerGroup(worker_class, config.ray_remote_args, handoff, label,
-                             keep_s=config.warm_worker_timeout))
-        self.closed = False
-
-    def open(self) -> None:
-        # Generous: the garbage collector may run other objects' finalizers on the new
-        # thread before its loop starts; a torch iterator kept by a reference cycle (an
-        # exception's traceback) joins its worker processes there, 5 s each.
-        self.loop.start(timeout=60.0)
-        self.loop.run(self.session.open(), timeout=60.0)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.workers.stop()
-        self.loop.stop(cleanup=self.session.close)
-
-
-def ship(loader: Any, shipped: bytes) -> tuple[Any, bool]:
-    """The object store's copy of ``shipped`` (kept: replacements load the same object),
-    and whether it is the loader's previous iterator's (the same bytes: its workers'
-    nodes hold it already, nothing is put or moved again)."""
-    digest = hashlib.blake2b(shipped, digest_size=16).digest()
-    previous = getattr(loader, "_shipped", None)
-    if previous is not None and previous[0] == digest:
-        return previous[1], True
-    ref = ray.put(shipped)
-    loader._shipped = (digest, ref)
-    return ref, False
-
-
-@dataclasses.dataclass(frozen=True)
-class Seeds:
-    """What the iterator's workers are seeded with (torch's ``_base_seed`` and
-    ``_shared_seed``)."""
-
-    base: int
-    shared: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Shipment:
-    """The shipped loader in the object store: its reference, whether it is the
-    loader's previous iterator's copy, and its size."""
-
-    ref: Any
-    reused: bool
-    size: int
 
 
 class EpochDriver:

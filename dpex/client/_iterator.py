@@ -28,10 +28,11 @@ from dpex._ray_connect import connect_ray
 from dpex._reaper import finalizer_for
 from dpex._spec import ShippedLoader, stateful_dataset
 from dpex._stats import Latencies, LoaderStats
-from dpex.client._driver import EpochDriver, Runtime, Seeds, ship
+from dpex.client._driver import EpochDriver, Seeds
 from dpex.client._elastic import mean
 from dpex.client._launch import plan_launch
 from dpex.client._resume import Drawing
+from dpex.client._runtime import Runtime, ship
 from dpex.client._scheduler import EPOCH_END
 from dpex.client._shipping import ship_loader
 from dpex.client._taken import TakenRecord

@@ -16,7 +16,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 
@@ -26,39 +26,8 @@ from dpex._spec import WorkerSpec
 from dpex.client._events import WorkerExit
 from dpex.client._warm import POOL
 
-__all__ = ["Workers", "WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups"]
+__all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups"]
 
-
-class Workers(Protocol):
-    """What an iterator's driver asks of its workers, whoever runs them: actors of its
-    own (:class:`WorkerGroup`), sessions on a fleet (:class:`FleetGroup`), or an
-    in-memory stand-in (tests/test_driver.py). Every method returns at once; a
-    worker's HELLO, batches and end come as events on the queue the group was given
-    (:class:`~dpex.client._events.WorkerHello`, ``WorkerExit``)."""
-
-    options: dict  # the actor options, as errors report them
-    actors: dict[int, Any]  # each worker id's current actor (handle)
-
-    def start(self, specs: list[WorkerSpec], shipped: Any) -> None:
-        """Start one worker per spec, each serving the shipped loader."""
-
-    def restart(self, spec: WorkerSpec, shipped: Any) -> None:
-        """Start the next incarnation of ``spec.worker_id`` (its last one is dead)."""
-
-    def add(self, spec: WorkerSpec, shipped: Any) -> None:
-        """Start one more worker (a new id) while the iterator runs."""
-
-    def retire(self, worker_id: int) -> None:
-        """End a worker's session; its exit is expected."""
-
-    def kill(self, worker_id: int) -> None:
-        """End a worker that hangs, now; its replacement follows its exit event."""
-
-    def placement_warning(self, waiting: list[int]) -> str | None:
-        """Why the workers ``waiting`` may not start soon (None if nothing says so)."""
-
-    def stop(self) -> None:
-        """End every worker's session (idempotent)."""
 
 # Every WorkerGroup of this process (weak: a dropped iterator's group goes with it).
 # Only creation adds to it and nothing else changes it: a group's stop() may run in a
