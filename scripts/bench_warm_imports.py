@@ -76,7 +76,7 @@ def main() -> None:
     print("\n| iterator | " + " | ".join(results) + " |")
     print("|---|" + "---:|" * len(results))
     for i in range(args.iterators):
-        what = "first (fresh actors)" if i == 0 else f"{i + 1}th (warm workers)"
+        what = "1 (fresh actors)" if i == 0 else f"{i + 1} (warm workers)"
         print(f"| {what} | " + " | ".join(f"{r[i]:.2f} s" for r in results.values()) + " |")
 
 
