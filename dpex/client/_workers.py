@@ -28,7 +28,6 @@ from dpex.client._warm import POOL
 
 __all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups"]
 
-
 # Every WorkerGroup of this process (weak: a dropped iterator's group goes with it).
 # Only creation adds to it and nothing else changes it: a group's stop() may run in a
 # garbage-collector finalizer, on any thread and inside any code, even one that holds
