@@ -19,8 +19,17 @@ from dpex._config import DpexConfig
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 from dpex._stats import LoaderStats
-from dpex.client._resume import IndexView, Position, ResumePlan, capture, plan_from, replaying
-from dpex.errors import DpexDroppedWarning
+from dpex.client._resume import (
+    IndexView,
+    Position,
+    ResumePlan,
+    capture,
+    check_epoch,
+    in_trainer,
+    plan_from,
+    replaying,
+)
+from dpex.errors import DpexDroppedWarning, DpexTimeoutError
 
 __all__ = ["DpexDataLoader"]
 
@@ -174,6 +183,9 @@ class DpexDataLoader(DataLoader[T_co]):
         # the workers' nodes already hold instead of putting (and moving) it again.
         self._shipped: tuple[bytes, Any] | None = None
         self._current: weakref.ref | None = None  # the newest iterator, either mode
+        # num_workers=0: the newest iterator, held (it holds no process; torchdata's
+        # loader holds it too), so that state_dict() after a `break` says where it stood.
+        self._in_trainer: _BaseDataLoaderIter | None = None
         self._kept_state: dict | None = None  # where it stood if it ended mid-epoch
         # What load_state_dict() loaded and no iterator has taken yet (travels with the
         # configuration: a spawned rank resumes from it).
@@ -184,7 +196,7 @@ class DpexDataLoader(DataLoader[T_co]):
         iterators, their workers and counters stay with the process that made them."""
         state = dict(self.__dict__)
         for name in ("_iterator", "_live_iterators", "_latest", "_final_stats", "_shipped",
-                     "_current", "_kept_state"):
+                     "_current", "_in_trainer", "_kept_state"):
             state.pop(name, None)
         return state
 
@@ -302,19 +314,30 @@ class DpexDataLoader(DataLoader[T_co]):
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         plan: ResumePlan | None = self.__dict__.get("_resume_plan")
+        check_epoch(self, plan)
+        if plan is not None and plan.global_rng is not None:
+            # A state taken between epochs, when the next epoch draws its order or base
+            # seed from torch's global RNG: that RNG as the saved run had it then.
+            torch.set_rng_state(plan.global_rng)
+            plan.global_rng = None
         generator = self.generator
-        iterator_rng = (plan.iterator_rng if plan is not None else
-                        generator.get_state() if generator is not None else torch.get_rng_state())
+        iterator_rng = (plan.iterator_rng if plan is not None and plan.iterator_rng is not None
+                        else generator.get_state() if generator is not None
+                        else torch.get_rng_state())
         with replaying(self, plan):  # (if this fails, the plan stays for the next try)
             iterator = self._make_iterator()
         self._resume_plan = None  # the new iterator's epoch holds it until it draws
         self._kept_state = None  # a position kept from an earlier iterator is past now
         iterator._dpex_iterator_rng = iterator_rng  # its base seed was drawn from this
         self._current = weakref.ref(iterator)
+        self._in_trainer = iterator if self.num_workers == 0 else None
         return iterator
 
     def _make_iterator(self) -> _BaseDataLoaderIter:
         if not self._distributed:
+            if self.num_workers == 0:
+                return in_trainer(self, self.__dict__.get("_resume_plan"),
+                                  super()._get_iterator)
             return super()._get_iterator()
         from dpex.client._iterator import RayDataLoaderIter
         from dpex.server._actor import DpexWorker
@@ -345,15 +368,23 @@ class DpexDataLoader(DataLoader[T_co]):
             return Position(dict(kept))  # its iterator ended mid-epoch (see _keep_position)
         return capture(self, iterator, self.__dict__.get("_resume_plan"))
 
-    def _keep_position(self, iterator: Any, ask_workers: bool) -> None:
+    def _keep_position(self, iterator: Any, ask_workers: bool, limit: float | None = None
+                       ) -> None:
         """Keep where ``iterator`` stood if it ends in the middle of an epoch (closed,
         or dropped: a loop left with ``break``), for a ``state_dict()`` taken after
-        it. A dropped one's workers are going: their RNG states cannot be asked for,
-        so its resumed workers start from their seeds."""
+        it, with its workers' RNG and dataset states where they can be asked for
+        (within ``limit`` s) before they stop; else its resumed workers start from
+        their seeds."""
         position = capture(self, iterator, None)
         if not position.partial["mid_epoch"]:
             return
-        if not ask_workers and position.asked:
+        if ask_workers and position.asked:
+            try:
+                self._kept_state = position.state(limit=limit)
+                return
+            except DpexTimeoutError:
+                pass
+        if position.asked:
             position.iterator = None
             logger.info("dpex: an iterator was dropped in the middle of an epoch; "
                         "state_dict() keeps its position, without its workers' RNG states "
@@ -364,11 +395,16 @@ class DpexDataLoader(DataLoader[T_co]):
         """Resume where ``state_dict()`` was taken: the next ``iter(loader)`` yields the
         rest of that epoch, and later epochs follow, exactly as an uninterrupted run's
         (a map-style dataset's with any ``num_workers``, an IterableDataset's with the
-        same). Raises :class:`~dpex.ResumeStateError` for a state of another dataset
-        length, generator, worker count (IterableDataset) or dpex version, and
-        :class:`~dpex.UnsupportedError` for one this loader cannot resume."""
+        same). Raises :class:`~dpex.ResumeStateError` for a state of another loader
+        (sampler and its settings, batch size, ``drop_last``, dataset length,
+        generator, worker count of an IterableDataset) or dpex version, naming what
+        differs, and :class:`~dpex.UnsupportedError` for one this loader cannot
+        resume. A dataset's own ``state_dict()`` is loaded in torchdata's order."""
         plan = plan_from(self, state_dict)
         self._kept_state = None
+        # An iterator still alive stands elsewhere: state_dict() now describes what was
+        # loaded, until the next iterator moves.
+        self._current, self._in_trainer = None, None
         persistent = self._iterator
         if persistent is not None:  # its workers hold another position: a fresh iterator
             self._iterator = None

@@ -10,14 +10,16 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dsets  # noqa: E402
+import resumable  # noqa: E402
 
 # torch's reference loaders start their workers by forkserver (dsets.torch_loader): the
 # forkserver imports torch and the test datasets once, so each worker forks with them
 # loaded instead of importing torch again (about 1.5 s of CPU per worker here).
-multiprocessing.set_forkserver_preload(["torch", "numpy", "dsets"])
+multiprocessing.set_forkserver_preload(["torch", "numpy", "dsets", "resumable"])
 
 # Test datasets live in this folder, which Ray workers cannot import: ship them by value.
 cloudpickle.register_pickle_by_value(dsets)
+cloudpickle.register_pickle_by_value(resumable)
 
 
 @pytest.fixture(scope="session")

@@ -418,7 +418,7 @@ class EpochDriver:
 
     # -- state_dict() --------------------------------------------------------------
 
-    def worker_rng_states(self, asked: dict[int, tuple[int, int]]
+    def worker_rng_states(self, asked: dict[int, tuple[int, int]], limit: float | None = None
                           ) -> dict[int, dict | None] | None:
         """Each worker's RNG states right after the batch ``asked`` names (for
         ``state_dict()``). A worker not asked (none of its batches was taken) has the
@@ -435,12 +435,13 @@ class EpochDriver:
         def answered(w: int) -> bool:
             return (w, *asked[w]) in self._rng_replies
 
-        deadline = time.monotonic() + _RNG_QUERY_S
+        limit = _RNG_QUERY_S if limit is None else limit
+        deadline = time.monotonic() + limit
         while waiting := [w for w in asked if not answered(w)
                           and self.sched.workers[w].incarnation == incarnations[w]]:
             if time.monotonic() > deadline:
                 raise DpexTimeoutError(f"state_dict(): workers {waiting} did not report their "
-                                       f"RNG states within {_RNG_QUERY_S:g} s")
+                                       f"RNG states within {limit:g} s")
             self.receive_one(until=deadline)
         for w in asked:
             state = self._rng_replies[(w, *asked[w])].state if answered(w) else None

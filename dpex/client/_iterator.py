@@ -13,6 +13,7 @@ import functools
 import itertools
 import logging
 import queue
+import threading
 import time
 import traceback
 import weakref
@@ -42,6 +43,7 @@ from dpex.errors import IteratorClosedError
 __all__ = ["RayDataLoaderIter"]
 
 logger = logging.getLogger("dpex")
+_DROPPED_RNG_QUERY_S = 2.0  # how long a dropped iterator asks its workers for their states
 _iterator_ids = itertools.count()
 
 
@@ -119,7 +121,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         # A worker passes over what it delivered, unless it resumes its dataset's own state.
         specs = self._driver.specs
         skips = {w: n for w, n in self._taken.count.items()
-                 if "dataset" not in (specs[w].rng_state or {})}
+                 if not {"dataset", "dataset_iter"} & set(specs[w].rng_state or {})}
         self._driver.start_epoch(self._next_index, shared_seed=self._shared_seed,
                                  first_worker=first_worker,
                                  ended=frozenset(self._taken.ended), skips=skips)
@@ -214,10 +216,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     def epoch_ended(self) -> bool:
         return self._epoch_end is not None
 
-    def worker_rng_states(self, asked: dict[int, tuple[int, int]]
+    def worker_rng_states(self, asked: dict[int, tuple[int, int]], limit: float | None = None
                           ) -> dict[int, dict | None] | None:
         """See :meth:`EpochDriver.worker_rng_states`."""
-        return self._driver.worker_rng_states(asked)
+        return self._driver.worker_rng_states(asked, limit)
 
     # -- lifecycle and introspection -------------------------------------------
 
@@ -282,8 +284,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         started = hasattr(self, "_loader_ref") and hasattr(self, "_driver")
         loader = self._loader_ref() if started else None
         if loader is not None and not self._driver.closed:
-            try:
-                loader._keep_position(self, ask_workers=False)
+            try:  # (its workers' states too, asked from the thread that took its batches)
+                ask = threading.get_ident() == getattr(self._driver.elastic,
+                                                       "_training_thread", None)
+                loader._keep_position(self, ask_workers=ask, limit=_DROPPED_RNG_QUERY_S)
             except Exception:  # never from __del__; the state is then an epoch boundary
                 logger.debug("dpex: could not keep a dropped iterator's position",
                              exc_info=True)

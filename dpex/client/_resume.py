@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import logging
 import weakref
@@ -27,11 +28,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import IterDataPipe
 
+from dpex._spec import stateful_dataset
 from dpex.errors import ResumeStateError, UnsupportedError
 
 __all__ = ["STATE_VERSION", "ResumePlan", "IndexView", "Drawing", "Position", "capture",
-           "plan_from", "replaying"]
+           "check_epoch", "identity", "in_trainer", "plan_from", "replaying"]
 
 logger = logging.getLogger("dpex")
 STATE_VERSION = 1
@@ -66,14 +69,33 @@ def _rng_state(generator: torch.Generator | None) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _forked_global(state: torch.Tensor) -> Iterator[None]:
-    """torch's global RNG at ``state`` inside, and as it was before afterwards: dpex
-    replays the sampler's draws without moving the RNG the training loop uses."""
+    """torch's global RNG at ``state`` inside; afterwards as it was before, moved on by
+    as many seed draws as the code inside took from it. dpex replays the sampler's
+    draws from the saved state whatever the training loop's RNG is, and that RNG still
+    moves as torch's own loader would move it (a job that seeds as before finds it
+    where the uninterrupted run had it)."""
     saved = torch.get_rng_state()
     torch.set_rng_state(state)
     try:
         yield
     finally:
+        after = torch.get_rng_state()
         torch.set_rng_state(saved)
+        for _ in range(_seed_draws(state, after)):
+            torch.empty((), dtype=torch.int64).random_()
+
+
+def _seed_draws(start: torch.Tensor, end: torch.Tensor, limit: int = 4) -> int:
+    """How many 64-bit seed draws (torch's samplers and iterators draw theirs so) lead
+    from RNG state ``start`` to ``end``; 0 if none up to ``limit`` does (other draws:
+    the training loop's RNG is left as it was)."""
+    generator = torch.Generator()
+    generator.set_state(start)
+    for draws in range(limit + 1):
+        if torch.equal(generator.get_state(), end):
+            return draws
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return 0
 
 
 @dataclasses.dataclass
@@ -81,9 +103,9 @@ class ResumePlan:
     """What the next iterator of a loader replays (``load_state_dict``)."""
 
     skip: int  # index batches of the epoch already yielded
-    sampler_rng: torch.Tensor  # the sampler's generator when the epoch's iter() began
+    sampler_rng: torch.Tensor | None  # the sampler's generator when the epoch's iter() began
     draw_rng: torch.Tensor | None  # ... and at its first draw (lazy samplers draw then)
-    iterator_rng: torch.Tensor  # the base seed's generator when the iterator was made
+    iterator_rng: torch.Tensor | None  # the base seed's generator when the iterator was made
     sampler_state: Any = None  # a stateful sampler's own state at ``skip``
     armed: bool = True  # until the epoch's first draw
     # dpex's workers: each one's RNG states after its last batch the saved run took,
@@ -94,6 +116,14 @@ class ResumePlan:
     # Epochs the saved iterator's base seed served before the one resumed (persistent
     # workers): worker_seeding="per_batch" seeds each batch from it (see _spec.py).
     epochs_before: int = 0
+    # num_workers=0 (the dataset runs in the trainer): the dataset's own state and its
+    # iterator's (torchdata's order: the dataset's, then iter(), then the iterator's).
+    dataset_state: Any = None
+    dataset_iter_state: Any = None
+    # At an epoch boundary, torch's global RNG as the saved run had it, when the next
+    # epoch's order or base seed draws from it: set when the next iterator is made.
+    global_rng: torch.Tensor | None = None
+    sampler_epoch: int | None = None  # a sampler's epoch (set_epoch) the state was taken in
 
     def worker_rng_fits(self, num_workers: int) -> bool:
         """Whether the saved workers' RNG states apply: with another worker count each
@@ -159,7 +189,7 @@ class Drawing:
             return self._draw()
         # With no generator the sampler draws from torch's global RNG: replay under a
         # fork of it, up to and including the first new draw (torch's samplers draw
-        # their whole epoch's randomness then), so the training loop's RNG is not moved.
+        # their whole epoch's randomness then; see _forked_global).
         with _forked_global(self.draw_rng):
             self._replay(plan)
             return self._draw()
@@ -219,19 +249,23 @@ class Position:
     iterator: weakref.ref | None = None  # the dpex iterator to ask them of (not kept)
     asked: dict[int, tuple[int, int]] | None = None  # worker -> its last batch taken
 
-    def state(self) -> dict:
+    def state(self, limit: float | None = None) -> dict:
         """The full state (``state_dict()``): plain data. (An iterator gone since has
-        no workers to ask: its resumed workers start from their seeds.)"""
+        no workers to ask: its resumed workers start from their seeds.) ``limit``:
+        how long the workers may take to answer, if not the default."""
         state = dict(self.partial)
         iterator = self.iterator() if self.iterator is not None else None
         if self.asked is not None and iterator is not None:
-            state["worker_rng"] = iterator.worker_rng_states(self.asked)
+            state["worker_rng"] = iterator.worker_rng_states(self.asked, limit)
         if not state["mid_epoch"] and state["worker_rng"]:
-            # Between epochs a stateful IterableDataset starts its next epoch anew: its
-            # position at the end of this one must not come back.
-            state["worker_rng"] = {w: rng if rng is None else
-                                   {k: v for k, v in rng.items() if k != "dataset"}
-                                   for w, rng in state["worker_rng"].items()}
+            # Between epochs a worker's dataset state is the one after its last batch,
+            # before its shard's end ran (a dataset that counts its epochs counts then):
+            # the resumed worker runs what is left of that epoch (nothing) first, as
+            # torchdata's workers do.
+            state["worker_rng"] = {
+                w: {**rng, "finish_epoch": True}
+                if rng is not None and {"dataset", "dataset_iter"} & set(rng) else rng
+                for w, rng in state["worker_rng"].items()}
         return state
 
 
@@ -243,15 +277,18 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     state: dict[str, Any] = {
         "format": _FORMAT, "version": STATE_VERSION,
         "rng_source": _source(drawn_from), "base_rng_source": _source(loader.generator),
-        "num_workers": loader.num_workers,
+        "num_workers": int(loader.num_workers),  # (plain data: an Autoscale is an int)
         "rank": _rank(),
+        "identity": identity(loader),
         "length": _length(loader),
-        "sampler_epoch": getattr(loader.sampler, "epoch", None),
+        "sampler_epoch": _epoch(loader.sampler),
         "mid_epoch": False, "yielded": 0, "sampler_rng": None, "base_rng": None,
         "sampler_draw_rng": None, "iterator_rng": None, "sampler_state": None,
         "worker_rng": None, "worker_rng_num_workers": 0, "iterable": None,
-        "epochs_before": 0,
+        "epochs_before": 0, "dataset": None, "dataset_iter": None, "global_rng": None,
     }
+    in_trainer = loader.num_workers == 0  # the dataset runs here (torch's single process)
+    fetcher = getattr(iterator, "_dataset_fetcher", None) if in_trainer else None
 
     def boundary() -> dict:
         """At an epoch boundary: what the next epoch draws its order and base seed from
@@ -260,27 +297,37 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         state.update(sampler_rng=_rng_state(drawn_from),
                      base_rng=None if loader.generator is None else loader.generator.get_state(),
                      sampler_state=own.state_dict() if own else None)
+        if drawn_from is None or loader.generator is None:
+            state["global_rng"] = torch.get_rng_state()
+        if in_trainer:
+            state.update(_trainer_states(loader, fetcher, mid_epoch=False))
         return state
 
     drawing = getattr(iterator, "_sampler_iter", None) if iterator is not None else None
     if isinstance(drawing, Drawing) and drawing.plan is not None:
         pending = drawing.plan  # an iterator made since, that has not drawn yet
     if pending is not None:  # still where the loaded state left off
-        state.update(iterator_rng=pending.iterator_rng, worker_rng=pending.worker_rng,
-                     worker_rng_num_workers=pending.worker_rng_num_workers,
-                     epochs_before=pending.epochs_before,
-                     iterable=pending.iterable if pending.armed else None)
+        loaded = {"iterator_rng": pending.iterator_rng, "worker_rng": pending.worker_rng,
+                  "worker_rng_num_workers": pending.worker_rng_num_workers,
+                  "epochs_before": pending.epochs_before,
+                  "iterable": pending.iterable if pending.armed else None,
+                  "dataset": pending.dataset_state, "dataset_iter": pending.dataset_iter_state}
         if not pending.armed:
-            return Position(boundary())
-        state.update(mid_epoch=True, yielded=pending.skip, sampler_rng=pending.sampler_rng,
-                     sampler_draw_rng=pending.draw_rng, sampler_state=pending.sampler_state)
+            boundary().update(loaded)
+            if pending.global_rng is not None:
+                state["global_rng"] = pending.global_rng
+            return Position(state)
+        state.update(loaded, mid_epoch=True, yielded=pending.skip,
+                     sampler_rng=pending.sampler_rng, sampler_draw_rng=pending.draw_rng,
+                     sampler_state=pending.sampler_state)
         return Position(state)
     if not isinstance(drawing, Drawing):
         return Position(boundary())  # no iterator: the next epoch starts anew
     yielded = iterator._num_yielded + drawing.skipped
     iterable = loader._dataset_kind == _ITERABLE
     finished = (drawing.exhausted and yielded >= drawing.position) or getattr(
-        iterator, "epoch_ended", False) or (  # (an IterableDataset's length is a hint)
+        iterator, "epoch_ended", False) or getattr(fetcher, "ended", False) or (
+        # (an IterableDataset's length is a hint)
         not iterable and state["length"] is not None and yielded >= state["length"])
     persistent = loader.persistent_workers and loader.num_workers > 0
     if finished and not persistent:
@@ -303,7 +350,11 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
             "batches taken so far are not the epoch's first ones, so no position resumes "
             "it exactly; use in_order=True (torch's default) to checkpoint mid-epoch, or "
             "take the state between epochs")
-    if iterable:  # the position is in the workers' shards; torch's workers cannot tell it
+    if in_trainer:  # the dataset's own states, or (an IterableDataset) how far it went
+        state.update(_trainer_states(loader, fetcher, mid_epoch=True))
+        if iterable:
+            state["iterable"] = {"trainer": {"ended": bool(getattr(fetcher, "ended", False))}}
+    elif iterable:  # the position is in the workers' shards; torch's workers cannot tell it
         state["iterable"] = iterator.shard_positions() if dpex_workers else {"unknown": True}
     state.update(mid_epoch=True, yielded=yielded, sampler_rng=drawing.iter_rng,
                  # not drawn yet: the first draw will find the generator as it is now
@@ -311,6 +362,118 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
                                    else _rng_state(drawn_from)),
                  sampler_state=drawing.sampler_state_at(yielded))
     return position
+
+
+# What a position depends on, besides the batches per epoch: the sampler's kind and
+# settings, the batching, the dataset's length. (Not the rank: a framework under DDP
+# saves rank 0's state and every rank loads it; each rank resumes its own part.)
+_SAMPLER_SETTINGS = ("num_replicas", "shuffle", "seed", "drop_last", "replacement",
+                     "num_samples")
+
+
+def identity(loader: Any) -> dict:
+    """What ``loader``'s positions depend on, as plain data (compared by
+    :func:`plan_from`; a mismatch is refused by name)."""
+    sampler = loader.sampler
+    if loader.batch_sampler is not None and not isinstance(
+            loader.batch_sampler, torch.utils.data.BatchSampler):
+        sampler = loader.batch_sampler  # the user's own batch sampler
+    settings = {name: getattr(sampler, name) for name in _SAMPLER_SETTINGS
+                if isinstance(getattr(sampler, name, None), (bool, int))}
+    try:
+        length = len(loader.dataset) if loader._dataset_kind != _ITERABLE else None
+    except TypeError:
+        length = None
+    return {"sampler": f"{type(sampler).__module__}.{type(sampler).__qualname__}",
+            "sampler_settings": settings, "batch_size": loader.batch_size,
+            "drop_last": bool(loader.drop_last), "dataset_length": length}
+
+
+def _check_identity(saved: dict | None, ours: dict) -> None:
+    if saved is None:  # (a state saved before dpex recorded it)
+        return
+    differ = []
+    for key in ("sampler", "batch_size", "drop_last", "dataset_length"):
+        if saved.get(key) != ours[key]:
+            differ.append(f"{key} {saved.get(key)!r} there, {ours[key]!r} here")
+    for name in sorted(set(saved.get("sampler_settings", {})) | set(ours["sampler_settings"])):
+        theirs, mine = saved.get("sampler_settings", {}).get(name), ours["sampler_settings"].get(name)
+        if theirs != mine:
+            differ.append(f"sampler.{name} {theirs!r} there, {mine!r} here")
+    if differ:
+        raise ResumeStateError(
+            "this loader state belongs to another loader: " + "; ".join(differ) + ". A "
+            "position means something only for the same dataset, sampler and batching: "
+            "build the loader as the run that saved the state did")
+
+
+def _epoch(sampler: Any) -> int | None:
+    epoch = getattr(sampler, "epoch", None)
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+
+def check_epoch(loader: Any, plan: ResumePlan | None) -> None:
+    """Before a resumed epoch's iterator is made: a sampler that counts epochs
+    (``DistributedSampler.set_epoch``) must be at the saved one."""
+    if plan is None or not plan.armed or plan.sampler_epoch is None:
+        return
+    if plan.sampler_state is not None and stateful(loader._torch_index_sampler):
+        return  # its own state puts it back at that epoch
+    epoch = _epoch(loader.sampler)
+    if epoch is not None and epoch != plan.sampler_epoch:
+        raise ResumeStateError(
+            f"this loader state was taken in epoch {plan.sampler_epoch} of its sampler, and "
+            f"this loader's sampler is at epoch {epoch}: call sampler.set_epoch("
+            f"{plan.sampler_epoch}) before iterating, as the run that saved it did")
+
+
+def _own_state(obj: Any) -> Any:
+    """A dataset's (or its iterator's) own ``state_dict()``, copied (it goes on
+    changing what it returned); None for one without."""
+    return copy.deepcopy(obj.state_dict()) if stateful_dataset(obj) else None
+
+
+def _trainer_states(loader: Any, fetcher: Any, mid_epoch: bool) -> dict:
+    """num_workers=0: the dataset's own state (map-style datasets too: one that keeps
+    its RNG there, say) and, in the middle of an IterableDataset's epoch, its
+    iterator's. A dataset that is its own iterator has only the iterator's, which
+    means nothing once its epoch ended (torchdata's rules)."""
+    dataset = loader.dataset
+    if loader._dataset_kind != _ITERABLE:
+        return {"dataset": _own_state(dataset)}
+    dataset_iter = getattr(fetcher, "dataset_iter", None)
+    if dataset_iter is None:  # never iterated: the dataset is as it was made
+        return {}
+    states = {"dataset": None if dataset_iter is dataset else _own_state(dataset)}
+    if mid_epoch:
+        states["dataset_iter"] = _own_state(dataset_iter)
+    return states
+
+
+def _loading_first(fetcher: Any, dataset: Any, state: Any) -> Any:
+    fetch = fetcher.fetch
+
+    def loading_first(index: Any) -> Any:
+        fetcher.fetch = fetch
+        dataset.load_state_dict(state)
+        return fetch(index)
+
+    return loading_first
+
+
+def _noting_the_end(fetcher: Any) -> Any:
+    """torch's fetcher of an IterableDataset, whose ``ended`` also says when a dataset
+    ended without a partial batch (the epoch ended: ``state_dict()`` is between epochs)."""
+    fetch = fetcher.fetch
+
+    def noting_the_end(index: Any) -> Any:
+        try:
+            return fetch(index)
+        except StopIteration:
+            fetcher.ended = True
+            raise
+
+    return noting_the_end
 
 
 def _rank() -> int:
@@ -345,6 +508,7 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
         raise ResumeStateError(
             f"this loader state has version {state.get('version')!r}; this dpex reads "
             f"version {STATE_VERSION}: resume with the dpex version that saved it")
+    _check_identity(state.get("identity"), identity(loader))
     length = _length(loader)
     if state["length"] is not None and length is not None and state["length"] != length:
         raise ResumeStateError(
@@ -360,7 +524,14 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
                 f"{_describe(ours)}: pass the same generator= arguments as the run that "
                 "saved the state")
     shards = state["iterable"]
-    if state["mid_epoch"] and shards is not None:
+    if state["mid_epoch"] and shards is not None and "trainer" in shards:
+        if loader.num_workers != 0:
+            raise ResumeStateError(
+                "this state was taken in the middle of an epoch of an IterableDataset with "
+                "num_workers=0: the position is that of the dataset's one iterator in the "
+                f"trainer, so it resumes with num_workers=0 only (this loader has "
+                f"{loader.num_workers})")
+    elif state["mid_epoch"] and shards is not None:
         if shards.get("unknown") or not loader._distributed:
             by = " by torch's own loader" if shards.get("unknown") else ""
             raise UnsupportedError(
@@ -390,7 +561,8 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
         own = stateful(loader._torch_index_sampler)
         if own is not None and state["sampler_state"] is not None:
             own.load_state_dict(state["sampler_state"])
-        if state["iterator_rng"] is None:
+        if state["iterator_rng"] is None and state.get("dataset") is None and (
+                state.get("global_rng") is None):
             return None
     return ResumePlan(skip=state["yielded"], sampler_rng=state["sampler_rng"],
                       draw_rng=state["sampler_draw_rng"], iterator_rng=state["iterator_rng"],
@@ -398,21 +570,66 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
                       worker_rng=worker_rng,
                       worker_rng_num_workers=state["worker_rng_num_workers"],
                       iterable=state["iterable"],
-                      epochs_before=state.get("epochs_before", 0))
+                      epochs_before=state.get("epochs_before", 0),
+                      dataset_state=state.get("dataset"),
+                      dataset_iter_state=state.get("dataset_iter"),
+                      global_rng=None if state["mid_epoch"] else state.get("global_rng"),
+                      sampler_epoch=state.get("sampler_epoch"))
+
+
+def in_trainer(loader: Any, plan: ResumePlan | None, make: Any) -> Any:
+    """num_workers=0: make torch's single-process iterator with ``make()`` where the
+    plan says the saved run stood, in torchdata's order: the dataset's own state is
+    loaded, then ``iter()``, then its iterator's own state; an IterableDataset with no
+    state of its own passes over the batches already yielded (fetched again and
+    dropped: it cannot skip them otherwise)."""
+    iterable = loader._dataset_kind == _ITERABLE
+    if plan is not None and plan.dataset_state is not None and (iterable or not plan.armed):
+        loader.dataset.load_state_dict(plan.dataset_state)
+    iterator = make()
+    fetcher = iterator._dataset_fetcher
+    if not iterable:
+        if plan is not None and plan.armed and plan.dataset_state is not None:
+            # In the middle of an epoch: loaded after the epoch's first draw (its
+            # replay), right before the first fetch, where the saved run's dataset
+            # stood when it saved it (a dataset that keeps torch's RNG in its state).
+            fetcher.fetch = _loading_first(fetcher, loader.dataset, plan.dataset_state)
+        return iterator
+    fetcher.fetch = _noting_the_end(fetcher)
+    if plan is None or not plan.armed:
+        return iterator
+    if plan.dataset_iter_state is not None:
+        fetcher.dataset_iter.load_state_dict(plan.dataset_iter_state)
+    elif plan.dataset_state is None and plan.skip:
+        indices = iter(loader._torch_index_sampler)
+        logger.info("dpex: the IterableDataset keeps no state of its own: passing over the "
+                    "%d batches already yielded", plan.skip)
+        for _ in range(plan.skip):
+            try:
+                fetcher.fetch(next(indices))
+            except StopIteration:
+                break
+    if (plan.iterable or {}).get("trainer", {}).get("ended"):
+        fetcher.ended = True
+    return iterator
 
 
 @contextlib.contextmanager
 def replaying(loader: Any, plan: ResumePlan | None) -> Iterator[None]:
-    """While an iterator is made: its base seed drawn from the plan's state (from a
-    copy of the loader's generator at that state, or under a fork of the global RNG)."""
-    if plan is None:
+    """While an iterator is made: its base seed drawn from the plan's state, from a
+    copy of the loader's generator at that state (with no generator, a copy of torch's
+    global RNG at that state: the global RNG itself then moves as the uninterrupted
+    run's iterator moved it when it was made in the resumed epoch, by its seed draws,
+    before a dataset's own state is loaded)."""
+    if plan is None or plan.iterator_rng is None:
         yield
         return
     generator = loader.generator
-    if generator is None:
-        with _forked_global(plan.iterator_rng):
-            yield
-        return
+    if generator is None and plan.armed and plan.epochs_before == 0:
+        # (the uninterrupted run made this iterator in this epoch: a persistent one's
+        # later epochs, or the next one after a state between epochs, drew nothing)
+        for _ in range(1 + isinstance(loader.dataset, IterDataPipe)):  # base (+ shared) seed
+            torch.empty((), dtype=torch.int64).random_()
     copy = torch.Generator()
     copy.set_state(plan.iterator_rng)
     loader.__dict__["generator"] = copy  # (DataLoader refuses setting attributes later)
@@ -420,5 +637,6 @@ def replaying(loader: Any, plan: ResumePlan | None) -> Iterator[None]:
         yield
     finally:
         loader.__dict__["generator"] = generator
-        if generator is not sampler_generator(loader._torch_index_sampler):
+        if generator is not None and generator is not sampler_generator(
+                loader._torch_index_sampler):
             generator.set_state(copy.get_state())  # it serves base seeds alone: advance it

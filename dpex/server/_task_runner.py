@@ -105,16 +105,34 @@ class TaskRunner:
         try:
             if self.loader.worker_init_fn is not None:
                 self.loader.worker_init_fn(spec.worker_id)
+            saved = spec.rng_state or {}
             if spec.rng_state is not None:  # resumed: where the saved run's worker stood
                 restore_rng(spec.rng_state)
-                if "dataset" in spec.rng_state:  # a stateful IterableDataset's position
-                    self.dataset.load_state_dict(spec.rng_state["dataset"])
+                if "dataset" in saved:  # a stateful dataset's own state: before iter()
+                    self.dataset.load_state_dict(saved["dataset"])
+                if saved.get("finish_epoch"):  # a state between epochs: the old one's end
+                    self._finish_saved_epoch(saved.get("dataset_iter"))
             # The state when the epoch began (seq -1), before iter(dataset) draws: an
             # IterableDataset's position mid-epoch is that, and the batches delivered since.
             self._mark_epoch_start(1)
             self.fetcher = self._new_fetcher()
+            if "dataset_iter" in saved and not saved.get("finish_epoch"):
+                # its iterator's own state: after iter() (torchdata's order)
+                self.fetcher.dataset_iter.load_state_dict(saved["dataset_iter"])
         except Exception:
             self.init_error = ExceptionWrapper(where=self._where())
+
+    def _finish_saved_epoch(self, iterator_state: Any) -> None:
+        """Run what was left of the saved run's epoch for this worker's dataset (its
+        state was taken after its last batch: nothing is left but the end of its
+        ``__iter__``, where a dataset that counts its epochs counts), dropping it."""
+        if self.loader.dataset_kind != _DatasetKind.Iterable:
+            return
+        dataset_iter = iter(self.dataset)
+        if iterator_state is not None:
+            dataset_iter.load_state_dict(iterator_state)
+        for _ in dataset_iter:
+            pass
 
     def _seed_datapipe(self, shared_seed: int | None) -> None:
         if isinstance(self.dataset, IterDataPipe) and shared_seed is not None:
@@ -147,7 +165,7 @@ class TaskRunner:
 
     def _mark_epoch_start(self, epoch: int) -> None:
         if self.spec.rng_keep:
-            self._rng.epoch_began(epoch, self._snapshot())
+            self._rng.epoch_began(epoch, self._snapshot(epoch_start=True))
 
     def skip(self, n: int, epoch: int) -> None:
         """A replacement's fast-forward: the first ``n`` batches of this worker's
@@ -188,12 +206,24 @@ class TaskRunner:
         IterableDataset's own state. Any thread."""
         return self._rng.after(epoch, seq)
 
-    def _snapshot(self) -> dict:
+    def _snapshot(self, epoch_start: bool = False) -> dict:
+        """The RNG states, with a stateful IterableDataset's own state (``dataset``) and
+        its iterator's (``dataset_iter``; a dataset that is its own iterator has only
+        that one), torchdata's split: the first is loaded before ``iter()``, the second
+        after."""
         state = self._recorder.capture()
-        if self.loader.dataset_kind == _DatasetKind.Iterable and stateful_dataset(self.dataset):
+        if self.loader.dataset_kind != _DatasetKind.Iterable:
+            return state
+        dataset_iter = getattr(self.fetcher, "dataset_iter", None) if not epoch_start else None
+        for key, obj in (("dataset", self.dataset), ("dataset_iter", dataset_iter)):
+            if obj is None or not stateful_dataset(obj) or (
+                    key == "dataset" and dataset_iter is self.dataset):
+                continue
             try:  # (a copy: the dataset goes on changing what it returned)
-                state["dataset"] = copy.deepcopy(self.dataset.state_dict())
+                state[key] = copy.deepcopy(obj.state_dict())
             except Exception as exc:  # its next batch says what is wrong, if anything is
+                if epoch_start:  # (a dataset that is its own iterator, before iter())
+                    continue
                 if not self._dataset_state_failed:
                     self._dataset_state_failed = True
                     logger.warning("dpex worker %s: the dataset's state_dict() failed (%s: "
