@@ -4,6 +4,7 @@ small per-worker spec that travels as a Ray argument. Neutral ground: the traine
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,7 @@ from dpex._protocol import Wire
 from dpex._security import ClientKeys
 from dpex._shm import RingRef
 
-__all__ = ["ShippedLoader", "WorkerSpec", "stateful_dataset"]
+__all__ = ["ShippedLoader", "WorkerSpec", "own_state", "stateful_dataset"]
 
 
 def stateful_dataset(dataset: Any) -> bool:
@@ -19,6 +20,12 @@ def stateful_dataset(dataset: Any) -> bool:
     ``load_state_dict``, torchdata's convention: load, then ``iter()`` goes on)."""
     return callable(getattr(dataset, "state_dict", None)) and callable(
         getattr(dataset, "load_state_dict", None))
+
+
+def own_state(obj: Any) -> Any:
+    """A dataset's (or its iterator's) own ``state_dict()``, copied (it goes on
+    changing what it returned); None for one without."""
+    return copy.deepcopy(obj.state_dict()) if stateful_dataset(obj) else None
 
 
 @dataclass(frozen=True)

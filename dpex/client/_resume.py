@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import logging
 import weakref
@@ -30,7 +29,9 @@ from typing import Any
 import torch
 from torch.utils.data import IterDataPipe
 
-from dpex._spec import stateful_dataset
+from dpex.client._resume_identity import check_epoch as _check_epoch
+from dpex.client._resume_identity import check_identity, identity, sampler_epoch
+from dpex.client._resume_trainer import in_trainer, trainer_states
 from dpex.errors import ResumeStateError, UnsupportedError
 
 __all__ = ["STATE_VERSION", "ResumePlan", "IndexView", "Drawing", "Position", "capture",
@@ -281,7 +282,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         "rank": _rank(),
         "identity": identity(loader),
         "length": _length(loader),
-        "sampler_epoch": _epoch(loader.sampler),
+        "sampler_epoch": sampler_epoch(loader.sampler),
         "mid_epoch": False, "yielded": 0, "sampler_rng": None, "base_rng": None,
         "sampler_draw_rng": None, "iterator_rng": None, "sampler_state": None,
         "worker_rng": None, "worker_rng_num_workers": 0, "iterable": None,
@@ -300,7 +301,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         if drawn_from is None or loader.generator is None:
             state["global_rng"] = torch.get_rng_state()
         if in_trainer:
-            state.update(_trainer_states(loader, fetcher, mid_epoch=False))
+            state.update(trainer_states(loader, fetcher, mid_epoch=False))
         return state
 
     drawing = getattr(iterator, "_sampler_iter", None) if iterator is not None else None
@@ -351,7 +352,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
             "it exactly; use in_order=True (torch's default) to checkpoint mid-epoch, or "
             "take the state between epochs")
     if in_trainer:  # the dataset's own states, or (an IterableDataset) how far it went
-        state.update(_trainer_states(loader, fetcher, mid_epoch=True))
+        state.update(trainer_states(loader, fetcher, mid_epoch=True))
         if iterable:
             state["iterable"] = {"trainer": {"ended": bool(getattr(fetcher, "ended", False))}}
     elif iterable:  # the position is in the workers' shards; torch's workers cannot tell it
@@ -364,116 +365,12 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     return position
 
 
-# What a position depends on, besides the batches per epoch: the sampler's kind and
-# settings, the batching, the dataset's length. (Not the rank: a framework under DDP
-# saves rank 0's state and every rank loads it; each rank resumes its own part.)
-_SAMPLER_SETTINGS = ("num_replicas", "shuffle", "seed", "drop_last", "replacement",
-                     "num_samples")
-
-
-def identity(loader: Any) -> dict:
-    """What ``loader``'s positions depend on, as plain data (compared by
-    :func:`plan_from`; a mismatch is refused by name)."""
-    sampler = loader.sampler
-    if loader.batch_sampler is not None and not isinstance(
-            loader.batch_sampler, torch.utils.data.BatchSampler):
-        sampler = loader.batch_sampler  # the user's own batch sampler
-    settings = {name: getattr(sampler, name) for name in _SAMPLER_SETTINGS
-                if isinstance(getattr(sampler, name, None), (bool, int))}
-    try:
-        length = len(loader.dataset) if loader._dataset_kind != _ITERABLE else None
-    except TypeError:
-        length = None
-    return {"sampler": f"{type(sampler).__module__}.{type(sampler).__qualname__}",
-            "sampler_settings": settings, "batch_size": loader.batch_size,
-            "drop_last": bool(loader.drop_last), "dataset_length": length}
-
-
-def _check_identity(saved: dict | None, ours: dict) -> None:
-    if saved is None:  # (a state saved before dpex recorded it)
-        return
-    differ = []
-    for key in ("sampler", "batch_size", "drop_last", "dataset_length"):
-        if saved.get(key) != ours[key]:
-            differ.append(f"{key} {saved.get(key)!r} there, {ours[key]!r} here")
-    for name in sorted(set(saved.get("sampler_settings", {})) | set(ours["sampler_settings"])):
-        theirs, mine = saved.get("sampler_settings", {}).get(name), ours["sampler_settings"].get(name)
-        if theirs != mine:
-            differ.append(f"sampler.{name} {theirs!r} there, {mine!r} here")
-    if differ:
-        raise ResumeStateError(
-            "this loader state belongs to another loader: " + "; ".join(differ) + ". A "
-            "position means something only for the same dataset, sampler and batching: "
-            "build the loader as the run that saved the state did")
-
-
-def _epoch(sampler: Any) -> int | None:
-    epoch = getattr(sampler, "epoch", None)
-    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
-
-
 def check_epoch(loader: Any, plan: ResumePlan | None) -> None:
-    """Before a resumed epoch's iterator is made: a sampler that counts epochs
-    (``DistributedSampler.set_epoch``) must be at the saved one."""
-    if plan is None or not plan.armed or plan.sampler_epoch is None:
-        return
-    if plan.sampler_state is not None and stateful(loader._torch_index_sampler):
-        return  # its own state puts it back at that epoch
-    epoch = _epoch(loader.sampler)
-    if epoch is not None and epoch != plan.sampler_epoch:
-        raise ResumeStateError(
-            f"this loader state was taken in epoch {plan.sampler_epoch} of its sampler, and "
-            f"this loader's sampler is at epoch {epoch}: call sampler.set_epoch("
-            f"{plan.sampler_epoch}) before iterating, as the run that saved it did")
-
-
-def _own_state(obj: Any) -> Any:
-    """A dataset's (or its iterator's) own ``state_dict()``, copied (it goes on
-    changing what it returned); None for one without."""
-    return copy.deepcopy(obj.state_dict()) if stateful_dataset(obj) else None
-
-
-def _trainer_states(loader: Any, fetcher: Any, mid_epoch: bool) -> dict:
-    """num_workers=0: the dataset's own state (map-style datasets too: one that keeps
-    its RNG there, say) and, in the middle of an IterableDataset's epoch, its
-    iterator's. A dataset that is its own iterator has only the iterator's, which
-    means nothing once its epoch ended (torchdata's rules)."""
-    dataset = loader.dataset
-    if loader._dataset_kind != _ITERABLE:
-        return {"dataset": _own_state(dataset)}
-    dataset_iter = getattr(fetcher, "dataset_iter", None)
-    if dataset_iter is None:  # never iterated: the dataset is as it was made
-        return {}
-    states = {"dataset": None if dataset_iter is dataset else _own_state(dataset)}
-    if mid_epoch:
-        states["dataset_iter"] = _own_state(dataset_iter)
-    return states
-
-
-def _loading_first(fetcher: Any, dataset: Any, state: Any) -> Any:
-    fetch = fetcher.fetch
-
-    def loading_first(index: Any) -> Any:
-        fetcher.fetch = fetch
-        dataset.load_state_dict(state)
-        return fetch(index)
-
-    return loading_first
-
-
-def _noting_the_end(fetcher: Any) -> Any:
-    """torch's fetcher of an IterableDataset, whose ``ended`` also says when a dataset
-    ended without a partial batch (the epoch ended: ``state_dict()`` is between epochs)."""
-    fetch = fetcher.fetch
-
-    def noting_the_end(index: Any) -> Any:
-        try:
-            return fetch(index)
-        except StopIteration:
-            fetcher.ended = True
-            raise
-
-    return noting_the_end
+    """Before a resumed epoch's iterator is made (see :mod:`._resume_identity`); a
+    stateful sampler's own state puts it back at its epoch itself."""
+    if plan is not None and plan.armed and not (
+            plan.sampler_state is not None and stateful(loader._torch_index_sampler)):
+        _check_epoch(plan.sampler_epoch, loader.sampler)
 
 
 def _rank() -> int:
@@ -508,7 +405,7 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
         raise ResumeStateError(
             f"this loader state has version {state.get('version')!r}; this dpex reads "
             f"version {STATE_VERSION}: resume with the dpex version that saved it")
-    _check_identity(state.get("identity"), identity(loader))
+    check_identity(state.get("identity"), identity(loader))
     length = _length(loader)
     if state["length"] is not None and length is not None and state["length"] != length:
         raise ResumeStateError(
@@ -575,43 +472,6 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
                       dataset_iter_state=state.get("dataset_iter"),
                       global_rng=None if state["mid_epoch"] else state.get("global_rng"),
                       sampler_epoch=state.get("sampler_epoch"))
-
-
-def in_trainer(loader: Any, plan: ResumePlan | None, make: Any) -> Any:
-    """num_workers=0: make torch's single-process iterator with ``make()`` where the
-    plan says the saved run stood, in torchdata's order: the dataset's own state is
-    loaded, then ``iter()``, then its iterator's own state; an IterableDataset with no
-    state of its own passes over the batches already yielded (fetched again and
-    dropped: it cannot skip them otherwise)."""
-    iterable = loader._dataset_kind == _ITERABLE
-    if plan is not None and plan.dataset_state is not None and (iterable or not plan.armed):
-        loader.dataset.load_state_dict(plan.dataset_state)
-    iterator = make()
-    fetcher = iterator._dataset_fetcher
-    if not iterable:
-        if plan is not None and plan.armed and plan.dataset_state is not None:
-            # In the middle of an epoch: loaded after the epoch's first draw (its
-            # replay), right before the first fetch, where the saved run's dataset
-            # stood when it saved it (a dataset that keeps torch's RNG in its state).
-            fetcher.fetch = _loading_first(fetcher, loader.dataset, plan.dataset_state)
-        return iterator
-    fetcher.fetch = _noting_the_end(fetcher)
-    if plan is None or not plan.armed:
-        return iterator
-    if plan.dataset_iter_state is not None:
-        fetcher.dataset_iter.load_state_dict(plan.dataset_iter_state)
-    elif plan.dataset_state is None and plan.skip:
-        indices = iter(loader._torch_index_sampler)
-        logger.info("dpex: the IterableDataset keeps no state of its own: passing over the "
-                    "%d batches already yielded", plan.skip)
-        for _ in range(plan.skip):
-            try:
-                fetcher.fetch(next(indices))
-            except StopIteration:
-                break
-    if (plan.iterable or {}).get("trainer", {}).get("ended"):
-        fetcher.ended = True
-    return iterator
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ becomes the frames of one data message (a batch, a wrapped error, or END).
 
 from __future__ import annotations
 
-import copy
 import logging
 import random
 import time
@@ -22,7 +21,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex._protocol import Kind, ProtocolError
 from dpex._shm import WorkerRing, collating_into
-from dpex._spec import ShippedLoader, WorkerSpec, stateful_dataset
+from dpex._spec import ShippedLoader, WorkerSpec, own_state, stateful_dataset
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
 from dpex.server._rng import RngLog, RngRecorder, batch_seed, restore_rng, seed_batch
@@ -219,8 +218,8 @@ class TaskRunner:
             if obj is None or not stateful_dataset(obj) or (
                     key == "dataset" and dataset_iter is self.dataset):
                 continue
-            try:  # (a copy: the dataset goes on changing what it returned)
-                state[key] = copy.deepcopy(obj.state_dict())
+            try:
+                state[key] = own_state(obj)
             except Exception as exc:  # its next batch says what is wrong, if anything is
                 if epoch_start:  # (a dataset that is its own iterator, before iter())
                     continue
