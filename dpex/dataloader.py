@@ -319,7 +319,6 @@ class DpexDataLoader(DataLoader[T_co]):
             # A state taken between epochs, when the next epoch draws its order or base
             # seed from torch's global RNG: that RNG as the saved run had it then.
             torch.set_rng_state(plan.global_rng)
-            plan.global_rng = None
         generator = self.generator
         iterator_rng = (plan.iterator_rng if plan is not None and plan.iterator_rng is not None
                         else generator.get_state() if generator is not None
@@ -327,6 +326,8 @@ class DpexDataLoader(DataLoader[T_co]):
         with replaying(self, plan):  # (if this fails, the plan stays for the next try)
             iterator = self._make_iterator()
         self._resume_plan = None  # the new iterator's epoch holds it until it draws
+        if plan is not None:
+            plan.global_rng = None  # set once: made, the iterator holds the plan from here
         self._kept_state = None  # a position kept from an earlier iterator is past now
         iterator._dpex_iterator_rng = iterator_rng  # its base seed was drawn from this
         self._current = weakref.ref(iterator)
