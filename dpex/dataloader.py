@@ -19,10 +19,9 @@ from dpex._config import DpexConfig
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 from dpex._stats import LoaderStats
+from dpex.client._replay import IndexView, ResumePlan
 from dpex.client._resume import (
-    IndexView,
     Position,
-    ResumePlan,
     capture,
     check_epoch,
     in_trainer,
@@ -300,7 +299,7 @@ class DpexDataLoader(DataLoader[T_co]):
     @property
     def _index_sampler(self) -> Any:
         """torch's index sampler (batch sampler, or sampler), seen through dpex's
-        :class:`~dpex.client._resume.IndexView`: the same indices, with each epoch's
+        :class:`~dpex.client._replay.IndexView`: the same indices, with each epoch's
         position kept for ``state_dict()``."""
         # A stateful sampler's states are kept for the batches drawn and not yet yielded:
         # dpex's iterator says which it yielded (its window follows scale_workers() and

@@ -240,7 +240,7 @@ def test_a_drawings_sampler_states_go_as_their_batches_are_yielded():
     """dpex's iterator keeps a stateful sampler's state for every batch drawn and not yet
     yielded, however wide its window grew (keep=None); torch's iterators, whose window
     is fixed, keep the newest ``keep``."""
-    from dpex.client._resume import IndexView
+    from dpex.client._replay import IndexView
 
     wide = iter(IndexView(StatefulShuffle(N, 7), None, keep=None))
     for _ in range(30):

@@ -96,7 +96,7 @@ async def test_garbage_and_foreign_messages_are_counted_and_dropped(session, fak
     await data.send_multipart(WIRE.encode(Kind.END, 1, 7, 0))
     [msg] = await next_event(session.handoff)
     assert msg.kind is Kind.END and msg.seq == 7  # only the valid one came through
-    assert session.rejected == {"frame-count": 1, "session": 1, "mac": 1, "kind": 1}
+    assert session.counts.rejected == {"frame-count": 1, "session": 1, "mac": 1, "kind": 1}
 
 
 def test_loop_thread_starts_runs_and_stops_idempotently():
@@ -268,3 +268,37 @@ async def test_tasks_over_max_message_bytes_are_split_and_one_alone_too_big_is_a
     finally:
         ctx.destroy(0)
         await sess.close()
+
+
+def test_routes_hold_messages_until_hello_and_a_new_incarnation_starts_afresh():
+    """ControlRoutes (no socket): what is held comes out in order on the HELLO; a
+    replacement gets its own identity, numbering from 0 and no marks of its
+    predecessor; a lost route holds again and is counted."""
+    from dpex.client._routes import ControlRoutes
+
+    routes = ControlRoutes(WIRE)
+
+    def decoded(frames):
+        return WIRE.decode(frames)
+
+    first = routes.encode(3, Kind.RESUME, 2, {"skip": 1})
+    routes.hold(3, first)
+    second = routes.encode(3, Kind.TASKS, 2, [(0, [1, 2])])
+    routes.hold(3, second)
+    assert 3 not in routes.ready and routes.identity(3) == worker_identity(3, 0)
+    held = routes.hello(3)
+    assert held == [first, second] and 3 in routes.ready and routes.hello(3) == []
+    assert [decoded(f).seq for f in held] == [0, 1]
+    tasks, marks = decoded(second).payload
+    assert tasks == [(0, [1, 2])] and marks == {"resume": (2, {"skip": 1})}
+
+    routes.hold(3, routes.encode(3, Kind.PING, 2, None), lost=True)
+    assert routes.unroutable == 1 and 3 not in routes.ready
+
+    routes.expect(3, 1)  # a replacement: its predecessor's held messages are not its
+    assert routes.identity(3) == worker_identity(3, 1) and routes.hello(3) == []
+    fresh = decoded(routes.encode(3, Kind.TASKS, 2, [(5, [9])]))
+    assert fresh.seq == 0 and fresh.payload[1] is None
+
+    routes.forget(3)
+    assert 3 not in routes.ready

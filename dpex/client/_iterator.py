@@ -32,7 +32,7 @@ from dpex._stats import Latencies, LoaderStats
 from dpex.client._driver import EpochDriver, Seeds
 from dpex.client._elastic import mean
 from dpex.client._launch import plan_launch
-from dpex.client._resume import Drawing
+from dpex.client._replay import Drawing
 from dpex.client._runtime import Runtime, ship
 from dpex.client._scheduler import EPOCH_END
 from dpex.client._shipping import ship_loader

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpex._autoscale import Autoscale
-from dpex.client._resume import ResumePlan
+from dpex.client._replay import ResumePlan
 
 __all__ = ["LaunchPlan", "plan_launch", "RNG_MARGIN"]
 

@@ -3,14 +3,10 @@
 
 The sampler runs in the trainer, so the position in an epoch is the number of
 index batches already yielded, and the rest of the epoch is what the sampler
-draws after them. The loader sees its index sampler through :class:`IndexView`;
-each epoch's iteration of it is a :class:`Drawing`, which remembers the state of
-the generator the sampler draws from when the epoch began (the loader's
-``generator``, else torch's global one) and counts its draws. Resuming sets that
-generator back and draws the batches already yielded again, without fetching any
-data (or loads a stateful sampler's own ``state_dict``), so index batches are
-exactly an uninterrupted run's whatever ``num_workers`` is. The iterator's base
-seed (its workers' seeds) is drawn again from the state it was drawn from.
+draws after them (``_replay``: how each epoch's draws are counted and replayed),
+so index batches are exactly an uninterrupted run's whatever ``num_workers`` is.
+The iterator's base seed (its workers' seeds) is drawn again from the state it was
+drawn from.
 
 The state is plain data (tensors, ints, tuples, dicts): ``torch.load(...,
 weights_only=True)`` reads it. Its keys are described in docs/RESUME.md.
@@ -18,7 +14,6 @@ weights_only=True)`` reads it. Its keys are described in docs/RESUME.md.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -29,212 +24,26 @@ from typing import Any
 import torch
 from torch.utils.data import IterDataPipe
 
+from dpex.client._replay import (
+    Drawing,
+    ResumePlan,
+    rng_state,
+    sampler_generator,
+    stateful,
+)
 from dpex.client._resume_identity import check_epoch as _check_epoch
 from dpex.client._resume_identity import check_identity, identity, sampler_epoch
 from dpex.client._resume_trainer import in_trainer, trainer_states
 from dpex.errors import ResumeStateError, UnsupportedError
 
-__all__ = ["STATE_VERSION", "ResumePlan", "IndexView", "Drawing", "Position", "capture",
-           "check_epoch", "identity", "in_trainer", "plan_from", "replaying"]
+__all__ = ["STATE_VERSION", "Position", "capture", "check_epoch", "identity", "in_trainer",
+           "plan_from", "replaying"]
 
 logger = logging.getLogger("dpex")
 STATE_VERSION = 1
 _FORMAT = "dpex.DpexDataLoader"
 _ITERABLE = torch.utils.data.dataloader._DatasetKind.Iterable
 
-
-def stateful(sampler: Any) -> Any | None:
-    """The object whose own ``state_dict`` / ``load_state_dict`` give the position: the
-    index sampler itself, or the sampler inside torch's ``BatchSampler``."""
-    for candidate in (sampler, getattr(sampler, "sampler", None)):
-        if callable(getattr(candidate, "state_dict", None)) and callable(
-                getattr(candidate, "load_state_dict", None)):
-            return candidate
-    return None
-
-
-def sampler_generator(sampler: Any) -> torch.Generator | None:
-    """The generator an index sampler draws from: its own ``generator`` (torch's random
-    samplers; DataLoader gives them its ``generator``), or the one of the sampler
-    inside a batch sampler; None for torch's global RNG."""
-    for candidate in (sampler, getattr(sampler, "sampler", None)):
-        generator = getattr(candidate, "generator", None)
-        if isinstance(generator, torch.Generator):
-            return generator
-    return None
-
-
-def _rng_state(generator: torch.Generator | None) -> torch.Tensor:
-    return generator.get_state() if generator is not None else torch.get_rng_state()
-
-
-@contextlib.contextmanager
-def _forked_global(state: torch.Tensor) -> Iterator[None]:
-    """torch's global RNG at ``state`` inside; afterwards as it was before, moved on by
-    as many seed draws as the code inside took from it. dpex replays the sampler's
-    draws from the saved state whatever the training loop's RNG is, and that RNG still
-    moves as torch's own loader would move it (a job that seeds as before finds it
-    where the uninterrupted run had it)."""
-    saved = torch.get_rng_state()
-    torch.set_rng_state(state)
-    try:
-        yield
-    finally:
-        after = torch.get_rng_state()
-        torch.set_rng_state(saved)
-        for _ in range(_seed_draws(state, after)):
-            torch.empty((), dtype=torch.int64).random_()
-
-
-def _seed_draws(start: torch.Tensor, end: torch.Tensor, limit: int = 4) -> int:
-    """How many 64-bit seed draws (torch's samplers and iterators draw theirs so) lead
-    from RNG state ``start`` to ``end``; 0 if none up to ``limit`` does (other draws:
-    the training loop's RNG is left as it was)."""
-    generator = torch.Generator()
-    generator.set_state(start)
-    for draws in range(limit + 1):
-        if torch.equal(generator.get_state(), end):
-            return draws
-        torch.empty((), dtype=torch.int64).random_(generator=generator)
-    return 0
-
-
-@dataclasses.dataclass
-class ResumePlan:
-    """What the next iterator of a loader replays (``load_state_dict``)."""
-
-    skip: int  # index batches of the epoch already yielded
-    sampler_rng: torch.Tensor | None  # the sampler's generator when the epoch's iter() began
-    draw_rng: torch.Tensor | None  # ... and at its first draw (lazy samplers draw then)
-    iterator_rng: torch.Tensor | None  # the base seed's generator when the iterator was made
-    sampler_state: Any = None  # a stateful sampler's own state at ``skip``
-    armed: bool = True  # until the epoch's first draw
-    # dpex's workers: each one's RNG states after its last batch the saved run took,
-    # by worker id (None: not known), and how many workers the saved run had.
-    worker_rng: dict[int, Any] | None = None
-    worker_rng_num_workers: int = 0
-    iterable: dict | None = None  # an IterableDataset's shard positions (mid-epoch)
-    # Epochs the saved iterator's base seed served before the one resumed (persistent
-    # workers): worker_seeding="per_batch" seeds each batch from it (see _spec.py).
-    epochs_before: int = 0
-    # num_workers=0 (the dataset runs in the trainer): the dataset's own state and its
-    # iterator's (torchdata's order: the dataset's, then iter(), then the iterator's).
-    dataset_state: Any = None
-    dataset_iter_state: Any = None
-    # At an epoch boundary, torch's global RNG as the saved run had it, when the next
-    # epoch's order or base seed draws from it: set when the next iterator is made.
-    global_rng: torch.Tensor | None = None
-    sampler_epoch: int | None = None  # a sampler's epoch (set_epoch) the state was taken in
-
-    def worker_rng_fits(self, num_workers: int) -> bool:
-        """Whether the saved workers' RNG states apply: with another worker count each
-        worker computes other batches, so fresh seeds are as good as any."""
-        return self.worker_rng is not None and num_workers == self.worker_rng_num_workers
-
-
-class IndexView:
-    """The loader's index sampler as its iterators see it: the same indices, each
-    epoch a :class:`Drawing`. ``len`` is the sampler's."""
-
-    def __init__(self, sampler: Any, plan: ResumePlan | None, keep: int | None) -> None:
-        self.sampler, self.plan, self.keep = sampler, plan, keep
-        self.generator = sampler_generator(sampler)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Drawing:
-        return Drawing(self.sampler, self.generator, self.plan, self.keep)
-
-
-class Drawing:
-    """One epoch's draws from the index sampler (torch's ``_sampler_iter``)."""
-
-    def __init__(self, sampler: Any, generator: torch.Generator | None,
-                 plan: ResumePlan | None, keep: int | None) -> None:
-        self.generator = generator
-        self.plan = plan if plan is not None and plan.armed else None
-        self.stateful = stateful(sampler)
-        if self.plan is not None and generator is not None:
-            # (also before iter(): a sampler may draw in __iter__ itself)
-            generator.set_state(self.plan.sampler_rng)
-        if self.plan is not None and self.plan.sampler_state is not None and self.stateful:
-            self.stateful.load_state_dict(self.plan.sampler_state)
-        self.iter_rng = (self.plan.sampler_rng if self.plan is not None
-                         else _rng_state(generator))
-        self.draw_rng: torch.Tensor | None = None  # taken at the first draw
-        self.position = 0  # index batches of this epoch drawn (skipped ones included)
-        self.skipped = 0  # of them, passed over when resuming (yielded by the saved run)
-        self.exhausted = False
-        # A stateful sampler's state before each draw not yet yielded, by position: the
-        # newest ``keep`` (torch's iterators: their window and a margin), or those that
-        # :meth:`yielded` has not released (dpex's, whose window changes with its workers).
-        self.states: collections.OrderedDict[int, Any] = collections.OrderedDict()
-        self.keep = keep
-        self._it = iter(sampler)
-
-    def __iter__(self) -> Drawing:
-        return self
-
-    def __next__(self) -> Any:
-        if self.plan is None:
-            if self.draw_rng is None:
-                self.draw_rng = _rng_state(self.generator)
-            return self._draw()
-        plan, self.plan = self.plan, None
-        plan.armed = False  # taken by the epoch that draws first
-        self.draw_rng = plan.draw_rng if plan.draw_rng is not None else plan.sampler_rng
-        if self.generator is not None:
-            self.generator.set_state(self.draw_rng)
-            self._replay(plan)
-            return self._draw()
-        # With no generator the sampler draws from torch's global RNG: replay under a
-        # fork of it, up to and including the first new draw (torch's samplers draw
-        # their whole epoch's randomness then; see _forked_global).
-        with _forked_global(self.draw_rng):
-            self._replay(plan)
-            return self._draw()
-
-    def _draw(self) -> Any:
-        if self.stateful is not None:
-            self.states[self.position] = self.stateful.state_dict()
-            while self.keep is not None and len(self.states) > self.keep:
-                self.states.popitem(last=False)
-        try:
-            index = next(self._it)
-        except StopIteration:
-            self.exhausted = True
-            raise
-        self.position += 1
-        return index
-
-    def yielded(self, position: int) -> None:
-        """The batches before ``position`` were yielded: their states are not needed."""
-        while self.states and next(iter(self.states)) < position:
-            self.states.popitem(last=False)
-
-    def _replay(self, plan: ResumePlan) -> None:
-        """Pass over the batches already yielded, without fetching anything."""
-        self.skipped = plan.skip
-        if plan.sampler_state is not None and self.stateful is not None:
-            self.position = plan.skip  # the sampler's own state put it there
-            return
-        for _ in range(plan.skip):
-            try:
-                next(self._it)
-            except StopIteration:
-                raise ResumeStateError(
-                    f"the state says {plan.skip} batches of this epoch were yielded, but "
-                    f"the sampler gives only {self.position}: the dataset, sampler or "
-                    "batch size differ from the run that saved it") from None
-            self.position += 1
-
-    def sampler_state_at(self, position: int) -> Any:
-        """A stateful sampler's state with ``position`` batches drawn (None if there is
-        no stateful sampler, or that position is out of the recent window)."""
-        if self.stateful is not None and position == self.position:
-            return self.stateful.state_dict()  # nothing drawn beyond it: as it is now
-        return self.states.get(position)
 
 
 def _source(generator: torch.Generator | None) -> str:
@@ -295,7 +104,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         """At an epoch boundary: what the next epoch draws its order and base seed from
         (taken only here: a framework may capture a position per batch)."""
         own = stateful(index_sampler)
-        state.update(sampler_rng=_rng_state(drawn_from),
+        state.update(sampler_rng=rng_state(drawn_from),
                      base_rng=None if loader.generator is None else loader.generator.get_state(),
                      sampler_state=own.state_dict() if own else None)
         if drawn_from is None or loader.generator is None:
@@ -360,7 +169,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     state.update(mid_epoch=True, yielded=yielded, sampler_rng=drawing.iter_rng,
                  # not drawn yet: the first draw will find the generator as it is now
                  sampler_draw_rng=(drawing.draw_rng if drawing.draw_rng is not None
-                                   else _rng_state(drawn_from)),
+                                   else rng_state(drawn_from)),
                  sampler_state=drawing.sampler_state_at(yielded))
     return position
 

@@ -66,7 +66,7 @@ def in_trainer(loader: Any, plan: Any, make: Any) -> Any:
     plan says the saved run stood, in torchdata's order: the dataset's own state is
     loaded, then ``iter()``, then its iterator's own state; an IterableDataset with no
     state of its own passes over the batches already yielded (fetched again and
-    dropped: it cannot skip them otherwise). ``plan``: a ``_resume.ResumePlan`` or None."""
+    dropped: it cannot skip them otherwise). ``plan``: a ``_replay.ResumePlan`` or None."""
     iterable = loader._dataset_kind == _ITERABLE
     if plan is not None and plan.dataset_state is not None and (iterable or not plan.armed):
         loader.dataset.load_state_dict(plan.dataset_state)

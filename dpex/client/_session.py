@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import itertools
 import os
 import queue
 import time
@@ -34,12 +33,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from dpex._addresses import accept_from, port_range, raise_fd_limit
-from dpex._epoch_marks import SentMarks
-from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire, worker_identity
+from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire
 from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
 from dpex._transport import SOCKET, Receiver, RingTransport
 from dpex.client._events import LoopFailure, RngReply, WorkerHello
+from dpex.client._routes import ControlRoutes
 from dpex.errors import ProtocolError
 
 __all__ = ["TrainerSession"]
@@ -63,6 +62,16 @@ def io_threads() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0)) // 8))
 
 
+@dataclasses.dataclass
+class SessionCounts:
+    """What one session received and refused (loop thread)."""
+
+    received: int = 0
+    received_in_ring: int = 0
+    cuts: int = 0  # admitted data connections that ended (see _count_refused)
+    rejected: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
 class TrainerSession:
     """Sockets, hello handling and task forwarding of one iterator. Loop thread only."""
 
@@ -72,16 +81,12 @@ class TrainerSession:
         :func:`~dpex._addresses.accept_from`; it asks Ray)."""
         self.wire = wire
         self.accept_from = accept_from(host) if accept is None else accept
-        self.session_id = wire.session_id
         self.host = host
         self.handoff = handoff
-        self.rejected: collections.Counter[str] = collections.Counter()
-        self.received = 0
-        self.received_in_ring = 0
+        self.counts = SessionCounts()
         self.rings: dict[int, TrainerRing] = {}
         self.receiver = Receiver(wire, [SOCKET, RingTransport(rings=self.rings)])
-        self.unroutable = 0
-        self.cuts = 0  # admitted data connections that ended (see _count_refused)
+        self.routes = ControlRoutes(wire)
         self.keys = SessionKeys.new(security)
         self._ctx: zmq.asyncio.Context | None = None
         self._admission: Admission | None = None
@@ -89,15 +94,13 @@ class TrainerSession:
         self._data: zmq.Socket | None = None
         self._ctrl: zmq.Socket | None = None
         self._control_drain_due = False
-        self._ready: set[int] = set()
-        self._identities: dict[int, bytes] = {}
-        self._pending: dict[int, list[list[bytes]]] = collections.defaultdict(list)
-        # Control messages are numbered per worker incarnation (a replay is rejected).
-        self._ctrl_seq: dict[int, itertools.count] = collections.defaultdict(itertools.count)
-        self._marks = SentMarks()  # this epoch's RESUME / SKIP, repeated with each TASKS
         self._tasks: list[asyncio.Task] = []
         self.data_address = ""
         self.control_address = ""
+
+    @property
+    def session_id(self) -> bytes:
+        return self.wire.session_id
 
     async def open(self) -> None:
         """Bind both sockets on ``host`` (random ports) and start receiving."""
@@ -154,12 +157,12 @@ class TrainerSession:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event & _HANDSHAKE_FAILED:
-                    self.rejected["handshake"] += 1
+                    self.counts.rejected["handshake"] += 1
                     refused += 1
                 elif refused:
                     refused -= 1
                 elif sock is self._data:
-                    self.cuts += 1
+                    self.counts.cuts += 1
         finally:
             monitor.close(0)
 
@@ -198,10 +201,10 @@ class TrainerSession:
         try:
             msg = self.receiver.decode(frames)
         except ProtocolError as exc:
-            self.rejected[exc.reason] += 1
+            self.counts.rejected[exc.reason] += 1
             return
-        self.received += 1
-        self.received_in_ring += msg.in_ring
+        self.counts.received += 1
+        self.counts.received_in_ring += msg.in_ring
         # When it came: the training thread may see it much later (busy with a step).
         ready.append(dataclasses.replace(msg, received_at=time.monotonic()))
 
@@ -210,7 +213,7 @@ class TrainerSession:
         that stays silent for its session timeout)."""
         while True:
             await asyncio.sleep(PING_INTERVAL_S)
-            for worker_id in list(self._ready):
+            for worker_id in list(self.routes.ready):
                 self.send(worker_id, Kind.PING, 0)
 
     def _on_control(self) -> None:
@@ -233,17 +236,16 @@ class TrainerSession:
         try:
             msg = self.wire.decode(frames)
         except ProtocolError as exc:
-            self.rejected[exc.reason] += 1
+            self.counts.rejected[exc.reason] += 1
             return
         if msg.kind not in (Kind.HELLO, Kind.RNG_STATE) or (
-                identity != self._identity(msg.worker_id)):
-            self.rejected["kind"] += 1
+                identity != self.routes.identity(msg.worker_id)):
+            self.counts.rejected["kind"] += 1
             return
         if msg.kind is Kind.RNG_STATE:
             self.handoff.put(RngReply(msg.worker_id, msg.epoch, msg.seq, msg.payload))
             return
-        self._ready.add(msg.worker_id)
-        for frames_out in self._pending.pop(msg.worker_id, []):
+        for frames_out in self.routes.hello(msg.worker_id):
             self._send(msg.worker_id, frames_out)
         self.handoff.put(WorkerHello(msg.worker_id, msg.payload))
 
@@ -261,22 +263,13 @@ class TrainerSession:
         ring.retired = True
         ring.close()
 
-    def _identity(self, worker_id: int) -> bytes:
-        return self._identities.get(worker_id) or worker_identity(worker_id, 0)
-
     def expect(self, worker_id: int, incarnation: int) -> None:
-        """A replacement for ``worker_id`` is starting: forget its predecessor's route
-        and whatever was queued for it; queue anew until the replacement's HELLO."""
-        self._identities[worker_id] = worker_identity(worker_id, incarnation)
-        self._ready.discard(worker_id)
-        self._pending.pop(worker_id, None)
-        self._ctrl_seq.pop(worker_id, None)
-        self._marks.replaced(worker_id)
+        """A replacement for ``worker_id`` is starting: hold its messages until its HELLO."""
+        self.routes.expect(worker_id, incarnation)
 
     def forget(self, worker_id: int) -> None:
         """A retired worker: no more pings, nothing held for it."""
-        self._ready.discard(worker_id)
-        self._pending.pop(worker_id, None)
+        self.routes.forget(worker_id)
 
     def _send(self, worker_id: int, frames: list[bytes]) -> None:
         assert self._ctrl is not None and self._loop is not None
@@ -286,34 +279,25 @@ class TrainerSession:
             self._control_drain_due = True
             self._loop.call_soon(self._on_control)
         try:
-            self._ctrl.send_multipart([self._identity(worker_id), *frames], flags=zmq.NOBLOCK)
+            self._ctrl.send_multipart([self.routes.identity(worker_id), *frames],
+                                      flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             # No connection to the worker now: it died (Ray reports that, and the
             # iterator replaces it) or its connection was lost and it reconnects. Hold
             # this and later messages until it announces itself again (a new HELLO).
-            self.unroutable += 1
-            self._ready.discard(worker_id)
-            self._pending[worker_id].append(frames)
+            self.routes.hold(worker_id, frames, lost=True)
 
     def send(self, worker_id: int, kind: Kind, epoch: int, payload: Any = None) -> None:
-        """Send a control message to one worker, queued until its HELLO arrives."""
-        if kind is Kind.RESUME:
-            self._marks.resume(worker_id, epoch, payload)
-        elif kind is Kind.SKIP:
-            self._marks.skip(worker_id, epoch, payload)
-        self._deliver(worker_id, self._encode(worker_id, kind, epoch, payload))
-
-    def _encode(self, worker_id: int, kind: Kind, epoch: int, payload: Any) -> list[bytes]:
-        return self.wire.encode(kind, epoch, next(self._ctrl_seq[worker_id]), worker_id,
-                                payload)
+        """Send a control message to one worker, held until its HELLO arrives."""
+        self._deliver(worker_id, self.routes.encode(worker_id, kind, epoch, payload))
 
     def _deliver(self, worker_id: int, frames: list[bytes]) -> None:
-        if worker_id in self._ready:
+        if worker_id in self.routes.ready:
             self._send(worker_id, frames)
         else:
-            self._pending[worker_id].append(frames)
+            self.routes.hold(worker_id, frames)
 
     def send_all(self, messages: list[Any]) -> None:
         """Send the scheduler's ``SendTasks`` and ``Control`` messages, in order."""
@@ -327,7 +311,7 @@ class TrainerSession:
         """Send tasks in as few messages as ``max_message_bytes`` allows. Raises
         :class:`ProtocolError` (``too-large``) for a task over the limit on its own: the
         worker would drop it unseen."""
-        frames = self._encode(worker_id, Kind.TASKS, epoch, (tasks, self._marks.of(worker_id)))
+        frames = self.routes.encode(worker_id, Kind.TASKS, epoch, tasks)
         if len(frames[2]) <= self.wire.max_message_bytes:
             self._deliver(worker_id, frames)
         elif len(tasks) > 1:
@@ -343,10 +327,11 @@ class TrainerSession:
 
     def counters(self) -> dict:
         """A copy of the counters, taken on the loop thread (where they change)."""
-        return {"received": self.received, "received_in_ring": self.received_in_ring,
+        counts = self.counts
+        return {"received": counts.received, "received_in_ring": counts.received_in_ring,
                 "security": self.keys.mode,
-                "unroutable": self.unroutable, "cuts": self.cuts,
-                "rejected": dict(self.rejected)}
+                "unroutable": self.routes.unroutable, "cuts": counts.cuts,
+                "rejected": dict(counts.rejected)}
 
     async def snapshot(self) -> dict:
         return self.counters()

@@ -1,0 +1,219 @@
+"""The sampler's draws, and how a resume replays them.
+
+The loader sees its index sampler through :class:`IndexView`; each epoch's
+iteration of it is a :class:`Drawing`, which remembers the state of the generator
+the sampler draws from when the epoch began (the loader's ``generator``, else
+torch's global one) and counts its draws. A :class:`ResumePlan` (made by
+``_resume.plan_from``) sets that generator back and draws the batches already
+yielded again, without fetching any data, or loads a stateful sampler's own
+``state_dict``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dpex.errors import ResumeStateError
+
+__all__ = ["ResumePlan", "IndexView", "Drawing", "stateful", "sampler_generator", "rng_state",
+           "forked_global"]
+
+
+def stateful(sampler: Any) -> Any | None:
+    """The object whose own ``state_dict`` / ``load_state_dict`` give the position: the
+    index sampler itself, or the sampler inside torch's ``BatchSampler``."""
+    for candidate in (sampler, getattr(sampler, "sampler", None)):
+        if callable(getattr(candidate, "state_dict", None)) and callable(
+                getattr(candidate, "load_state_dict", None)):
+            return candidate
+    return None
+
+
+def sampler_generator(sampler: Any) -> torch.Generator | None:
+    """The generator an index sampler draws from: its own ``generator`` (torch's random
+    samplers; DataLoader gives them its ``generator``), or the one of the sampler
+    inside a batch sampler; None for torch's global RNG."""
+    for candidate in (sampler, getattr(sampler, "sampler", None)):
+        generator = getattr(candidate, "generator", None)
+        if isinstance(generator, torch.Generator):
+            return generator
+    return None
+
+
+def rng_state(generator: torch.Generator | None) -> torch.Tensor:
+    return generator.get_state() if generator is not None else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def forked_global(state: torch.Tensor) -> Iterator[None]:
+    """torch's global RNG at ``state`` inside; afterwards as it was before, moved on by
+    as many seed draws as the code inside took from it. dpex replays the sampler's
+    draws from the saved state whatever the training loop's RNG is, and that RNG still
+    moves as torch's own loader would move it (a job that seeds as before finds it
+    where the uninterrupted run had it)."""
+    saved = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        yield
+    finally:
+        after = torch.get_rng_state()
+        torch.set_rng_state(saved)
+        for _ in range(_seed_draws(state, after)):
+            torch.empty((), dtype=torch.int64).random_()
+
+
+def _seed_draws(start: torch.Tensor, end: torch.Tensor, limit: int = 4) -> int:
+    """How many 64-bit seed draws (torch's samplers and iterators draw theirs so) lead
+    from RNG state ``start`` to ``end``; 0 if none up to ``limit`` does (other draws:
+    the training loop's RNG is left as it was)."""
+    generator = torch.Generator()
+    generator.set_state(start)
+    for draws in range(limit + 1):
+        if torch.equal(generator.get_state(), end):
+            return draws
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return 0
+
+
+@dataclasses.dataclass
+class ResumePlan:
+    """What the next iterator of a loader replays (``load_state_dict``)."""
+
+    skip: int  # index batches of the epoch already yielded
+    sampler_rng: torch.Tensor | None  # the sampler's generator when the epoch's iter() began
+    draw_rng: torch.Tensor | None  # ... and at its first draw (lazy samplers draw then)
+    iterator_rng: torch.Tensor | None  # the base seed's generator when the iterator was made
+    sampler_state: Any = None  # a stateful sampler's own state at ``skip``
+    armed: bool = True  # until the epoch's first draw
+    # dpex's workers: each one's RNG states after its last batch the saved run took,
+    # by worker id (None: not known), and how many workers the saved run had.
+    worker_rng: dict[int, Any] | None = None
+    worker_rng_num_workers: int = 0
+    iterable: dict | None = None  # an IterableDataset's shard positions (mid-epoch)
+    # Epochs the saved iterator's base seed served before the one resumed (persistent
+    # workers): worker_seeding="per_batch" seeds each batch from it (see _spec.py).
+    epochs_before: int = 0
+    # num_workers=0 (the dataset runs in the trainer): the dataset's own state and its
+    # iterator's (torchdata's order: the dataset's, then iter(), then the iterator's).
+    dataset_state: Any = None
+    dataset_iter_state: Any = None
+    # At an epoch boundary, torch's global RNG as the saved run had it, when the next
+    # epoch's order or base seed draws from it: set when the next iterator is made.
+    global_rng: torch.Tensor | None = None
+    sampler_epoch: int | None = None  # a sampler's epoch (set_epoch) the state was taken in
+
+    def worker_rng_fits(self, num_workers: int) -> bool:
+        """Whether the saved workers' RNG states apply: with another worker count each
+        worker computes other batches, so fresh seeds are as good as any."""
+        return self.worker_rng is not None and num_workers == self.worker_rng_num_workers
+
+
+class IndexView:
+    """The loader's index sampler as its iterators see it: the same indices, each
+    epoch a :class:`Drawing`. ``len`` is the sampler's."""
+
+    def __init__(self, sampler: Any, plan: ResumePlan | None, keep: int | None) -> None:
+        self.sampler, self.plan, self.keep = sampler, plan, keep
+        self.generator = sampler_generator(sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Drawing:
+        return Drawing(self.sampler, self.generator, self.plan, self.keep)
+
+
+class Drawing:
+    """One epoch's draws from the index sampler (torch's ``_sampler_iter``)."""
+
+    def __init__(self, sampler: Any, generator: torch.Generator | None,
+                 plan: ResumePlan | None, keep: int | None) -> None:
+        self.generator = generator
+        self.plan = plan if plan is not None and plan.armed else None
+        self.stateful = stateful(sampler)
+        if self.plan is not None and generator is not None:
+            # (also before iter(): a sampler may draw in __iter__ itself)
+            generator.set_state(self.plan.sampler_rng)
+        if self.plan is not None and self.plan.sampler_state is not None and self.stateful:
+            self.stateful.load_state_dict(self.plan.sampler_state)
+        self.iter_rng = (self.plan.sampler_rng if self.plan is not None
+                         else rng_state(generator))
+        self.draw_rng: torch.Tensor | None = None  # taken at the first draw
+        self.position = 0  # index batches of this epoch drawn (skipped ones included)
+        self.skipped = 0  # of them, passed over when resuming (yielded by the saved run)
+        self.exhausted = False
+        # A stateful sampler's state before each draw not yet yielded, by position: the
+        # newest ``keep`` (torch's iterators: their window and a margin), or those that
+        # :meth:`yielded` has not released (dpex's, whose window changes with its workers).
+        self.states: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self.keep = keep
+        self._it = iter(sampler)
+
+    def __iter__(self) -> Drawing:
+        return self
+
+    def __next__(self) -> Any:
+        if self.plan is None:
+            if self.draw_rng is None:
+                self.draw_rng = rng_state(self.generator)
+            return self._draw()
+        plan, self.plan = self.plan, None
+        plan.armed = False  # taken by the epoch that draws first
+        self.draw_rng = plan.draw_rng if plan.draw_rng is not None else plan.sampler_rng
+        if self.generator is not None:
+            self.generator.set_state(self.draw_rng)
+            self._replay(plan)
+            return self._draw()
+        # With no generator the sampler draws from torch's global RNG: replay under a
+        # fork of it, up to and including the first new draw (torch's samplers draw
+        # their whole epoch's randomness then; see forked_global).
+        with forked_global(self.draw_rng):
+            self._replay(plan)
+            return self._draw()
+
+    def _draw(self) -> Any:
+        if self.stateful is not None:
+            self.states[self.position] = self.stateful.state_dict()
+            while self.keep is not None and len(self.states) > self.keep:
+                self.states.popitem(last=False)
+        try:
+            index = next(self._it)
+        except StopIteration:
+            self.exhausted = True
+            raise
+        self.position += 1
+        return index
+
+    def yielded(self, position: int) -> None:
+        """The batches before ``position`` were yielded: their states are not needed."""
+        while self.states and next(iter(self.states)) < position:
+            self.states.popitem(last=False)
+
+    def _replay(self, plan: ResumePlan) -> None:
+        """Pass over the batches already yielded, without fetching anything."""
+        self.skipped = plan.skip
+        if plan.sampler_state is not None and self.stateful is not None:
+            self.position = plan.skip  # the sampler's own state put it there
+            return
+        for _ in range(plan.skip):
+            try:
+                next(self._it)
+            except StopIteration:
+                raise ResumeStateError(
+                    f"the state says {plan.skip} batches of this epoch were yielded, but "
+                    f"the sampler gives only {self.position}: the dataset, sampler or "
+                    "batch size differ from the run that saved it") from None
+            self.position += 1
+
+    def sampler_state_at(self, position: int) -> Any:
+        """A stateful sampler's state with ``position`` batches drawn (None if there is
+        no stateful sampler, or that position is out of the recent window)."""
+        if self.stateful is not None and position == self.position:
+            return self.stateful.state_dict()  # nothing drawn beyond it: as it is now
+        return self.states.get(position)
