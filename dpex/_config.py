@@ -11,7 +11,7 @@ from dpex._shm import DEFAULT_RING_BYTES
 
 __all__ = ["DpexConfig", "WORKER_SEEDINGS"]
 
-WORKER_SEEDINGS = ("torch", "per_batch")
+WORKER_SEEDINGS = ("torch", "per_batch", "per_sample")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,10 @@ class DpexConfig:
     ``worker_seeding``: ``"torch"`` seeds each worker once, as torch does (``base_seed +
     worker_id``); ``"per_batch"`` seeds torch, ``random`` and NumPy before every batch
     from (base seed, epoch, batch number), so a batch's random draws do not depend on
-    which worker, or how many, computed it (docs/AUTOSCALE.md).
+    which worker, or how many, computed it (docs/AUTOSCALE.md); ``"per_sample"`` seeds
+    them before every sample from (seed, epoch, its position in the epoch), so a sample's
+    draws do not depend on which rank, worker or batch took it, nor on how many ranks
+    there are (a map-style dataset; docs/RESUME.md).
     ``encryption``: whether batches crossing a socket are encrypted (ZeroMQ CURVE); None
     follows Ray (encrypted when ``RAY_USE_TLS`` is on). Either way only this iterator's
     workers may connect and every message is authenticated (docs/FAULTS_AND_SECURITY.md).

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from dpex._protocol import Wire
 from dpex._security import ClientKeys
 from dpex._shm import RingRef
 
-__all__ = ["ShippedLoader", "WorkerSpec", "own_state", "stateful_dataset"]
+__all__ = ["Positioned", "ShippedLoader", "WorkerSpec", "own_state", "stateful_dataset"]
 
 
 def stateful_dataset(dataset: Any) -> bool:
@@ -26,6 +26,17 @@ def own_state(obj: Any) -> Any:
     """A dataset's (or its iterator's) own ``state_dict()``, copied (it goes on
     changing what it returned); None for one without."""
     return copy.deepcopy(obj.state_dict()) if stateful_dataset(obj) else None
+
+
+class Positioned(NamedTuple):
+    """worker_seeding="per_sample": a task's indices with their positions in the epoch
+    (``first``, then every ``stride``) and the epoch they belong to; the worker seeds
+    each sample from (``WorkerSpec.sample_seed``, epoch, position)."""
+
+    indices: Any
+    first: int
+    stride: int
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -69,3 +80,6 @@ class WorkerSpec:
     # batch ``seq`` of epoch ``e`` is seeded from (base_seed, epochs_before + e,
     # seq + (skip if e == 1 else 0)), what the uninterrupted run seeded it from.
     batch_seeds: tuple[int, int] | None = None
+    # worker_seeding="per_sample": the seed every sample's is made from (tasks come as
+    # Positioned); None: not seeded per sample.
+    sample_seed: int | None = None

@@ -23,7 +23,6 @@ from dpex.client._replay import IndexView, ResumePlan
 from dpex.client._resume import (
     Position,
     capture,
-    check_epoch,
     in_trainer,
     plan_from,
     replaying,
@@ -72,7 +71,8 @@ class DpexDataLoader(DataLoader[T_co]):
       sending them over a socket; ``0`` turns this fast path off.
     - ``worker_seeding`` (default ``"torch"``): ``"per_batch"`` seeds every batch
       from which batch it is, so it is the same whichever worker, and however many,
-      computed it (docs/AUTOSCALE.md).
+      computed it (docs/AUTOSCALE.md); ``"per_sample"`` seeds every sample from its
+      position in the epoch, the same on any rank count (docs/RESUME.md).
     - ``encryption`` (default ``None``: as Ray, on when ``RAY_USE_TLS`` is): encrypt
       batches on the wire (ZeroMQ CURVE). Off, workers still need the iterator's
       credentials to connect and every message is authenticated; the bytes travel in
@@ -127,6 +127,12 @@ class DpexDataLoader(DataLoader[T_co]):
                 f"worker_seeding={config.worker_seeding!r} seeds dpex's workers "
                 "(distribute_mode=True, num_workers > 0); torch's own loader seeds each "
                 "worker once: leave worker_seeding='torch' for it")
+        if config.worker_seeding == "per_sample" and isinstance(
+                dataset, torch.utils.data.IterableDataset):
+            raise ValueError(
+                "worker_seeding='per_sample' seeds each sample from its position in the "
+                "epoch, which a map-style dataset's sampler gives; an IterableDataset has "
+                "none: use 'per_batch' or 'torch' for it")
         # Public attributes named like the parameters: frameworks (Lightning) rebuild the
         # loader from them, so they must exist under exactly these names.
         for name in _DPEX_ARGUMENTS:
@@ -313,7 +319,12 @@ class DpexDataLoader(DataLoader[T_co]):
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         plan: ResumePlan | None = self.__dict__.get("_resume_plan")
-        check_epoch(self, plan)
+        current = self._current() if self._current is not None else None
+        drawing = getattr(current, "_sampler_iter", None)
+        if plan is None and getattr(drawing, "plan", None) is not None:
+            # The newest iterator never drew (its first next() was refused): this one
+            # resumes in its place.
+            plan = self._resume_plan = drawing.plan
         if plan is not None and plan.global_rng is not None:
             # A state taken between epochs, when the next epoch draws its order or base
             # seed from torch's global RNG: that RNG as the saved run had it then.

@@ -229,16 +229,17 @@ def test_a_state_of_another_loader_is_refused_by_name(other, named):
         other().load_state_dict(state)
 
 
-def test_a_distributed_samplers_state_is_refused_by_another_split_or_epoch():
+def test_a_distributed_samplers_state_is_refused_by_another_shuffle_or_epoch():
     state = mid_epoch_state(distributed(epoch=3))
-    with pytest.raises(ResumeStateError, match="sampler.num_replicas 2 there, 3 here"):
-        distributed(epoch=3, num_replicas=3).load_state_dict(state)
+    # (another number of ranks resumes the rest of the epoch: tests/test_reshard.py)
+    distributed(epoch=3, num_replicas=3).load_state_dict(state)
     with pytest.raises(ResumeStateError, match="sampler.shuffle True there, False here"):
         distributed(epoch=3, shuffle=False).load_state_dict(state)
     loader = distributed(epoch=0)
     loader.load_state_dict(state)
+    it = iter(loader)  # (a framework sets the epoch after iter(): checked at the first next())
     with pytest.raises(ResumeStateError, match=re.escape("call sampler.set_epoch(3)")):
-        iter(loader)
+        next(it)
     loader.sampler.set_epoch(3)  # as the saved run did: the plan is still there
     torch.manual_seed(0)
     reference = distributed(epoch=3)

@@ -337,3 +337,44 @@ def test_a_stateful_samplers_position_survives_a_window_wider_than_the_loaders_o
     del it
     loader.close()
     assert part + [b[1].tolist() for b in rest_of_epoch(dpex_loader(), state)] == want
+
+
+def test_per_sample_seeding_gives_each_sample_its_draws_on_any_worker_and_rank_count():
+    """worker_seeding="per_sample": a sample's random draws depend on its position in
+    the epoch only, so 1 or 3 workers, 2 ranks or 3 resumed from them, draw the same."""
+    from torch.utils.data import DistributedSampler
+
+    dataset = dsets.SeedProbe()
+
+    def rank_loader(ranks, rank, workers):
+        sampler = DistributedSampler(dataset, num_replicas=ranks, rank=rank, seed=4)
+        return DpexDataLoader(dataset, batch_size=3, sampler=sampler, num_workers=workers,
+                              distribute_mode=True, worker_seeding="per_sample")
+
+    def by_sample(batches):
+        """Each sample's draws (torch, random, NumPy), by index."""
+        out = {}
+        for batch in batches:
+            for i, *draws in zip(batch["i"].tolist(), batch["torch"][:, 0].tolist(),
+                                 batch["random"].tolist(), batch["numpy"].tolist(),
+                                 strict=True):
+                out.setdefault(i, draws)
+        return out
+
+    one = by_sample(batch for r in range(2) for batch in rank_loader(2, r, 1))
+    three = by_sample(batch for r in range(2) for batch in rank_loader(2, r, 3))
+    assert one == three and len(one) == len(dataset)
+    # 2 ranks take 2 steps; 3 ranks resume from rank 1's state
+    loaders = [rank_loader(2, r, 2) for r in range(2)]
+    taken = []
+    for loader in loaders:
+        it = iter(loader)
+        taken += [next(it) for _ in range(2)]
+    state = round_trip(loaders[1].state_dict())
+    for loader in loaders:
+        loader.close()
+    resumed = []
+    for r in range(3):
+        resumed += rest_of_epoch(rank_loader(3, r, 2), state)
+    before, after = by_sample(taken), by_sample(resumed)
+    assert not set(before) & set(after) and {**before, **after} == one

@@ -118,7 +118,7 @@ class EpochDriver:
                     shared_seed=seeds.shared, ring=self.new_ring(w),
                     pooled=config.worker_pool is not None,
                     rng_state=plan.rng_state(w), rng_keep=plan.rng_keep,
-                    batch_seeds=plan.batch_seeds,
+                    batch_seeds=plan.batch_seeds, sample_seed=plan.sample_seed,
                 )
                 for w in range(plan.num_workers)
             ]

@@ -32,7 +32,7 @@ from dpex._stats import Latencies, LoaderStats
 from dpex.client._driver import EpochDriver, Seeds
 from dpex.client._elastic import mean
 from dpex.client._launch import plan_launch
-from dpex.client._replay import Drawing
+from dpex.client._replay import Drawing, distributed_seed
 from dpex.client._runtime import Runtime, ship
 from dpex.client._scheduler import EPOCH_END
 from dpex.client._shipping import ship_loader
@@ -71,7 +71,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             num_workers=loader.num_workers, scaled_to=loader.__dict__.get("_autoscale_workers"),
             prefetch_factor=loader.prefetch_factor,
             iterable=self._dataset_kind == _DatasetKind.Iterable,
-            worker_seeding=config.worker_seeding, resume=loader.__dict__.get("_resume_plan"))
+            worker_seeding=config.worker_seeding, resume=loader.__dict__.get("_resume_plan"),
+            base_seed=self._base_seed, sampler_seed=distributed_seed(self._index_sampler))
         self._launch = plan
         self._num_workers = plan.num_workers
         connect_ray(config.head_address)
@@ -122,9 +123,18 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         specs = self._driver.specs
         skips = {w: n for w, n in self._taken.count.items()
                  if not {"dataset", "dataset_iter"} & set(specs[w].rng_state or {})}
-        self._driver.start_epoch(self._next_index, shared_seed=self._shared_seed,
-                                 first_worker=first_worker,
-                                 ended=frozenset(self._taken.ended), skips=skips)
+        start = functools.partial(self._driver.start_epoch, self._next_index,
+                                  shared_seed=self._shared_seed, first_worker=first_worker,
+                                  ended=frozenset(self._taken.ended), skips=skips)
+        drawing = self._sampler_iter
+        # A resumed epoch draws its first batches at the first next(), not here: a
+        # framework sets the sampler's epoch after iter() (Lightning's fit loop on a
+        # restart), and the saved position belongs to that epoch.
+        self._deferred_start = None
+        if first_iter and isinstance(drawing, Drawing) and drawing.plan is not None:
+            self._deferred_start = start
+        else:
+            start()
 
     @property
     def _epoch(self) -> int:
@@ -141,6 +151,14 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         self._driver.elastic.scale_to(n, self._next_index)
 
     # -- consuming -------------------------------------------------------------
+
+    def _next_index(self) -> Any:
+        """The next index batch (the scheduler draws them); worker_seeding="per_sample":
+        with each entry's position in the epoch."""
+        index = super()._next_index()
+        if self._launch.sample_seed is None or not isinstance(self._sampler_iter, Drawing):
+            return index
+        return self._sampler_iter.positioned(index, self.epochs_served)
 
     def __next__(self) -> Any:
         try:
@@ -165,6 +183,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         driver = self._driver
         if driver.closed and self._epoch_end is None:  # an ended epoch stays ended
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
+        if self._deferred_start is not None:
+            self._deferred_start()  # (if it raises, the next call tries again)
+            self._deferred_start = None
         while True:
             msg = driver.next_message(self._next_index)
             if msg is EPOCH_END:

@@ -37,6 +37,8 @@ class LaunchPlan:
     batch_seeds: tuple[int, int] | None
     rng_keep: int  # RNG states a worker keeps for state_dict() (0: none asked for)
     worker_rng: dict[int, Any] = field(default_factory=dict)  # resumed states by worker
+    # worker_seeding="per_sample": what each sample's seed is made from (None: off)
+    sample_seed: int | None = None
 
     @property
     def per_batch(self) -> bool:
@@ -48,7 +50,8 @@ class LaunchPlan:
 
 
 def plan_launch(*, num_workers: int, scaled_to: int | None, prefetch_factor: int,
-                iterable: bool, worker_seeding: str, resume: ResumePlan | None) -> LaunchPlan:
+                iterable: bool, worker_seeding: str, resume: ResumePlan | None,
+                base_seed: int = 0, sampler_seed: int | None = None) -> LaunchPlan:
     """Decide an iterator's start.
 
     ``num_workers``: the loader's (an int, or a :class:`~dpex.Autoscale` policy);
@@ -64,6 +67,9 @@ def plan_launch(*, num_workers: int, scaled_to: int | None, prefetch_factor: int
       workers' RNG states apply only with the saved run's worker count.
     - ``worker_seeding="per_batch"``: each batch is seeded from its number, so a
       map-style dataset's workers keep and restore no RNG states.
+    - ``worker_seeding="per_sample"``: each sample is seeded from its position, made
+      from ``sampler_seed`` (a DistributedSampler's ``seed``: the same on every rank)
+      or else the iterator's ``base_seed``; no RNG states are kept either.
     """
     policy = num_workers if isinstance(num_workers, Autoscale) else None
     if policy is not None:
@@ -84,8 +90,9 @@ def plan_launch(*, num_workers: int, scaled_to: int | None, prefetch_factor: int
     if shards is not None:
         first_worker = shards["next_worker"]
     per_batch = worker_seeding == "per_batch"
+    per_sample = worker_seeding == "per_sample"
     epochs_before = resume.epochs_before if resume is not None else 0
-    keep_rng = not (per_batch and not iterable)
+    keep_rng = not ((per_batch or per_sample) and not iterable)
     worker_rng = (resume.worker_rng if keep_rng and resume is not None
                   and resume.worker_rng_fits(count) else {})
     return LaunchPlan(
@@ -93,4 +100,6 @@ def plan_launch(*, num_workers: int, scaled_to: int | None, prefetch_factor: int
         epochs_before=epochs_before,
         batch_seeds=(epochs_before, resume.skip if armed else 0) if per_batch else None,
         rng_keep=prefetch_factor * count + RNG_MARGIN if keep_rng else 0,
-        worker_rng=dict(worker_rng or {}))
+        worker_rng=dict(worker_rng or {}),
+        sample_seed=(sampler_seed if sampler_seed is not None else base_seed)
+        if per_sample else None)

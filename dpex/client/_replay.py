@@ -19,10 +19,13 @@ from typing import Any
 
 import torch
 
+from dpex._spec import Positioned
+from dpex.client._reshard import Layout, epoch_order
+from dpex.client._resume_identity import check_epoch
 from dpex.errors import ResumeStateError
 
 __all__ = ["ResumePlan", "IndexView", "Drawing", "stateful", "sampler_generator", "rng_state",
-           "forked_global"]
+           "forked_global", "distributed_layout", "distributed_seed"]
 
 
 def stateful(sampler: Any) -> Any | None:
@@ -107,11 +110,34 @@ class ResumePlan:
     # epoch's order or base seed draws from it: set when the next iterator is made.
     global_rng: torch.Tensor | None = None
     sampler_epoch: int | None = None  # a sampler's epoch (set_epoch) the state was taken in
+    # Resuming on another number of ranks (or another batch size): the rest of the
+    # saved epoch, as this rank's DistributedSampler deals it (see _reshard.py).
+    rest: Layout | None = None
 
     def worker_rng_fits(self, num_workers: int) -> bool:
         """Whether the saved workers' RNG states apply: with another worker count each
         worker computes other batches, so fresh seeds are as good as any."""
         return self.worker_rng is not None and num_workers == self.worker_rng_num_workers
+
+
+def distributed_layout(index_sampler: Any) -> Layout | None:
+    """A fresh epoch's :class:`Layout` where the index sampler is torch's ``BatchSampler``
+    over torch's own ``DistributedSampler`` (a subclass may deal otherwise), else None."""
+    inner = getattr(index_sampler, "sampler", None)
+    if type(index_sampler) is not torch.utils.data.BatchSampler or (
+            type(inner) is not torch.utils.data.DistributedSampler):
+        return None
+    return Layout(0, len(inner.dataset), inner.num_replicas, index_sampler.batch_size,
+                  inner.drop_last, index_sampler.drop_last)
+
+
+def distributed_seed(index_sampler: Any) -> int | None:
+    """The ``seed`` of the DistributedSampler inside the loader's index sampler (the
+    same on every rank), or None."""
+    if isinstance(index_sampler, IndexView):
+        index_sampler = index_sampler.sampler
+    inner = getattr(index_sampler, "sampler", None)
+    return inner.seed if isinstance(inner, torch.utils.data.DistributedSampler) else None
 
 
 class IndexView:
@@ -127,6 +153,12 @@ class IndexView:
 
     def __iter__(self) -> Drawing:
         return Drawing(self.sampler, self.generator, self.plan, self.keep)
+
+
+def _rest_batches(sampler: Any, rest: Layout) -> Iterator[list[int]]:
+    inner = sampler.sampler  # (a DistributedSampler: plan_from checked)
+    order = epoch_order(len(inner.dataset), inner.shuffle, inner.seed, inner.epoch)
+    return rest.rank_batches(order, inner.rank)
 
 
 class Drawing:
@@ -153,18 +185,38 @@ class Drawing:
         # :meth:`yielded` has not released (dpex's, whose window changes with its workers).
         self.states: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self.keep = keep
-        self._it = iter(sampler)
+        # Where this rank's entries stand in the epoch (worker_seeding="per_sample"):
+        # the epoch as its DistributedSampler deals it, or the rest of a saved one.
+        self.layout = distributed_layout(sampler)
+        self._sampler = sampler
+        self.rank = getattr(getattr(sampler, "sampler", None), "rank", 0)
+        self.sampler_epoch: int | None = None  # a DistributedSampler's, at the first draw
+        self.items = 0  # entries drawn this epoch (skipped ones included)
+        self.batch_size = getattr(sampler, "batch_size", None)
+        if self.plan is not None and self.plan.rest is not None:
+            self.layout = self.plan.rest  # (its batches are dealt at the first draw)
+        self._it = iter(sampler)  # (torch's samplers order the epoch at the first draw)
 
     def __iter__(self) -> Drawing:
         return self
 
     def __next__(self) -> Any:
+        if self.position == 0 and self.layout is not None and self.sampler_epoch is None:
+            self.sampler_epoch = self._sampler.sampler.epoch
         if self.plan is None:
             if self.draw_rng is None:
                 self.draw_rng = rng_state(self.generator)
             return self._draw()
+        # The sampler must be at the saved epoch by now (a framework may set it after
+        # iter(): dpex's iterator draws a resumed epoch's first batch at the first next()).
+        if self.plan.sampler_state is None or self.stateful is None:
+            check_epoch(self.plan.sampler_epoch, getattr(self._sampler, "sampler", None))
         plan, self.plan = self.plan, None
         plan.armed = False  # taken by the epoch that draws first
+        if plan.rest is not None:  # another rank count: this rank's part of the rest
+            self._it = _rest_batches(self._sampler, plan.rest)
+            self.draw_rng = rng_state(self.generator)
+            return self._draw()
         self.draw_rng = plan.draw_rng if plan.draw_rng is not None else plan.sampler_rng
         if self.generator is not None:
             self.generator.set_state(self.draw_rng)
@@ -188,7 +240,18 @@ class Drawing:
             self.exhausted = True
             raise
         self.position += 1
+        self.items += _size(index)
         return index
+
+    def positioned(self, indices: Any, epoch: int) -> Positioned:
+        """The batch just drawn, with each entry's position in the epoch: the same for
+        a sample whichever rank or worker takes it, and in a resumed run. The epoch is
+        the DistributedSampler's (``set_epoch``), else ``epoch``."""
+        before = self.items - _size(indices)
+        if self.layout is not None:
+            return Positioned(indices, self.layout.position(self.rank, before),
+                              self.layout.num_replicas, self.sampler_epoch)
+        return Positioned(indices, before, 1, epoch)
 
     def yielded(self, position: int) -> None:
         """The batches before ``position`` were yielded: their states are not needed."""
@@ -200,10 +263,11 @@ class Drawing:
         self.skipped = plan.skip
         if plan.sampler_state is not None and self.stateful is not None:
             self.position = plan.skip  # the sampler's own state put it there
+            self.items = plan.skip * (self.batch_size or 1)
             return
         for _ in range(plan.skip):
             try:
-                next(self._it)
+                self.items += _size(next(self._it))
             except StopIteration:
                 raise ResumeStateError(
                     f"the state says {plan.skip} batches of this epoch were yielded, but "
@@ -217,3 +281,10 @@ class Drawing:
         if self.stateful is not None and position == self.position:
             return self.stateful.state_dict()  # nothing drawn beyond it: as it is now
         return self.states.get(position)
+
+
+def _size(index: Any) -> int:
+    try:
+        return len(index)
+    except TypeError:  # batch_size=None: one sample
+        return 1

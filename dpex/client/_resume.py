@@ -27,16 +27,17 @@ from torch.utils.data import IterDataPipe
 from dpex.client._replay import (
     Drawing,
     ResumePlan,
+    distributed_layout,
     rng_state,
     sampler_generator,
     stateful,
 )
-from dpex.client._resume_identity import check_epoch as _check_epoch
+from dpex.client._reshard import Layout
 from dpex.client._resume_identity import check_identity, identity, sampler_epoch
 from dpex.client._resume_trainer import in_trainer, trainer_states
 from dpex.errors import ResumeStateError, UnsupportedError
 
-__all__ = ["STATE_VERSION", "Position", "capture", "check_epoch", "identity", "in_trainer",
+__all__ = ["STATE_VERSION", "Position", "capture", "identity", "in_trainer",
            "plan_from", "replaying"]
 
 logger = logging.getLogger("dpex")
@@ -88,7 +89,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         "format": _FORMAT, "version": STATE_VERSION,
         "rng_source": _source(drawn_from), "base_rng_source": _source(loader.generator),
         "num_workers": int(loader.num_workers),  # (plain data: an Autoscale is an int)
-        "rank": _rank(),
+        "rank": _rank(), "world_size": _world_size(),
         "identity": identity(loader),
         "length": _length(loader),
         "sampler_epoch": sampler_epoch(loader.sampler),
@@ -96,6 +97,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
         "sampler_draw_rng": None, "iterator_rng": None, "sampler_state": None,
         "worker_rng": None, "worker_rng_num_workers": 0, "iterable": None,
         "epochs_before": 0, "dataset": None, "dataset_iter": None, "global_rng": None,
+        "layout": None,
     }
     in_trainer = loader.num_workers == 0  # the dataset runs here (torch's single process)
     fetcher = getattr(iterator, "_dataset_fetcher", None) if in_trainer else None
@@ -127,9 +129,11 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
             if pending.global_rng is not None:
                 state["global_rng"] = pending.global_rng
             return Position(state)
+        layout = pending.rest or distributed_layout(index_sampler)
         state.update(loaded, mid_epoch=True, yielded=pending.skip,
                      sampler_rng=pending.sampler_rng, sampler_draw_rng=pending.draw_rng,
-                     sampler_state=pending.sampler_state)
+                     sampler_state=pending.sampler_state,
+                     layout=layout.to_state() if layout is not None else None)
         return Position(state)
     if not isinstance(drawing, Drawing):
         return Position(boundary())  # no iterator: the next epoch starts anew
@@ -167,6 +171,7 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     elif iterable:  # the position is in the workers' shards; torch's workers cannot tell it
         state["iterable"] = iterator.shard_positions() if dpex_workers else {"unknown": True}
     state.update(mid_epoch=True, yielded=yielded, sampler_rng=drawing.iter_rng,
+                 layout=drawing.layout.to_state() if drawing.layout is not None else None,
                  # not drawn yet: the first draw will find the generator as it is now
                  sampler_draw_rng=(drawing.draw_rng if drawing.draw_rng is not None
                                    else rng_state(drawn_from)),
@@ -174,17 +179,14 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     return position
 
 
-def check_epoch(loader: Any, plan: ResumePlan | None) -> None:
-    """Before a resumed epoch's iterator is made (see :mod:`._resume_identity`); a
-    stateful sampler's own state puts it back at its epoch itself."""
-    if plan is not None and plan.armed and not (
-            plan.sampler_state is not None and stateful(loader._torch_index_sampler)):
-        _check_epoch(plan.sampler_epoch, loader.sampler)
-
-
 def _rank() -> int:
     """This process's rank (torch.distributed), 0 without it."""
     return torch.utils.data.dataloader._get_distributed_settings()[1]
+
+
+def _world_size() -> int:
+    """This job's number of ranks (torch.distributed), 1 without it."""
+    return torch.utils.data.dataloader._get_distributed_settings()[0]
 
 
 def _length(loader: Any) -> int | None:
@@ -214,9 +216,11 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
         raise ResumeStateError(
             f"this loader state has version {state.get('version')!r}; this dpex reads "
             f"version {STATE_VERSION}: resume with the dpex version that saved it")
-    check_identity(state.get("identity"), identity(loader))
+    rest, reshard = _rest_of_epoch(loader, state)
+    check_identity(state.get("identity"), identity(loader), reshard=reshard)
     length = _length(loader)
-    if state["length"] is not None and length is not None and state["length"] != length:
+    if state["length"] is not None and length is not None and state["length"] != length \
+            and not reshard:
         raise ResumeStateError(
             f"the saved loader had {state['length']} batches per epoch, this one has "
             f"{length}: the dataset, sampler, batch_size or drop_last differ, so the "
@@ -252,7 +256,9 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
                 f"so it resumes with that many workers only (this loader has "
                 f"{loader.num_workers})")
     worker_rng = state["worker_rng"]
-    if worker_rng is not None and state.get("rank", 0) != _rank():
+    if rest is not None:
+        worker_rng = None  # other batches than the saved run's workers made
+    elif worker_rng is not None and state.get("rank", 0) != _rank():
         # Another rank's workers (a framework that saves rank 0's state only): their RNG
         # states belong to other batches; this rank's workers start from their seeds.
         logger.warning("dpex: this loader state was taken on rank %s, this is rank %s: its "
@@ -280,7 +286,36 @@ def plan_from(loader: Any, state: dict) -> ResumePlan | None:
                       dataset_state=state.get("dataset"),
                       dataset_iter_state=state.get("dataset_iter"),
                       global_rng=None if state["mid_epoch"] else state.get("global_rng"),
-                      sampler_epoch=state.get("sampler_epoch"))
+                      sampler_epoch=state.get("sampler_epoch"), rest=rest)
+
+
+def _rest_of_epoch(loader: Any, state: dict) -> tuple[Layout | None, bool]:
+    """(The rest of the saved epoch where this loader deals it otherwise, whether the
+    saved and this loader both deal by torch's DistributedSampler): a state taken by
+    R ranks resumes on R' (or with another batch size) exactly. Another rank count
+    with any other sampler, or an IterableDataset, is refused by name mid-epoch."""
+    ours = distributed_layout(loader._torch_index_sampler)
+    saved = Layout.from_state(state["layout"]) if state.get("layout") else None
+    reshard = ours is not None and saved is not None
+    world, saved_world = _world_size(), state.get("world_size", 1)
+    if state["mid_epoch"] and world != saved_world and not reshard:
+        what = ("an IterableDataset's position lives in each rank's own shard"
+                if loader._dataset_kind == _ITERABLE else
+                f"its sampler ({type(loader.sampler).__name__}) does not say which samples "
+                "the other ranks took")
+        raise UnsupportedError(
+            f"this state was taken in the middle of an epoch by a job of {saved_world} "
+            f"ranks, and this job has {world}: {what}. dpex resumes on another number "
+            "of ranks a map-style dataset with torch's DistributedSampler (shuffle or not, "
+            "drop_last or not; Lightning's use_distributed_sampler gives one); otherwise "
+            "resume on the same number of ranks, or take the checkpoint between epochs")
+    if not state["mid_epoch"] or not reshard:
+        return None, reshard
+    assert ours is not None and saved is not None
+    if (saved.start, saved.end, saved.num_replicas, saved.batch_size) == (
+            0, ours.end, ours.num_replicas, ours.batch_size):
+        return None, reshard  # the same dealing: replayed as the saved run drew it
+    return saved.rest(state["yielded"], ours.num_replicas, ours.batch_size), reshard
 
 
 @contextlib.contextmanager

@@ -39,16 +39,20 @@ def identity(loader: Any) -> dict:
             "drop_last": bool(loader.drop_last), "dataset_length": length}
 
 
-def check_identity(saved: dict | None, ours: dict) -> None:
+def check_identity(saved: dict | None, ours: dict, reshard: bool = False) -> None:
+    """``reshard``: both deal by torch's DistributedSampler, so another rank count or
+    batch size resumes exactly (``_reshard``)."""
     if saved is None:  # (a state saved before dpex recorded it)
         return
     differ = []
     for key in ("sampler", "batch_size", "drop_last", "dataset_length"):
+        if reshard and key == "batch_size":
+            continue
         if saved.get(key) != ours[key]:
             differ.append(f"{key} {saved.get(key)!r} there, {ours[key]!r} here")
     for name in sorted(set(saved.get("sampler_settings", {})) | set(ours["sampler_settings"])):
         theirs, mine = saved.get("sampler_settings", {}).get(name), ours["sampler_settings"].get(name)
-        if theirs != mine:
+        if theirs != mine and not (reshard and name in ("num_replicas", "num_samples")):
             differ.append(f"sampler.{name} {theirs!r} there, {mine!r} here")
     if differ:
         raise ResumeStateError(

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RngLog", "RngRecorder", "batch_seed", "restore_rng", "seed_batch"]
+__all__ = ["RngLog", "RngRecorder", "batch_seed", "restore_rng", "sample_seed", "seed_batch",
+           "seed_sample"]
 
 
 def batch_seed(base_seed: int, epoch: int, position: int) -> bytes:
@@ -32,14 +33,43 @@ def batch_seed(base_seed: int, epoch: int, position: int) -> bytes:
                            digest_size=32, person=b"dpex-batch-seed").digest()
 
 
+def sample_seed(seed: int, epoch: int, position: int) -> bytes:
+    """worker_seeding="per_sample": 32 bytes that depend only on which sample of the
+    epoch this is (its position, not the index it draws: a padded epoch repeats an
+    index at another position), for :func:`seed_batch`."""
+    return hashlib.blake2b(struct.pack("<Qqq", seed & (2**64 - 1), epoch, position),
+                           digest_size=32, person=b"dpex-sample-seed").digest()
+
+
+def _seed_torch(seed: int) -> None:
+    """``torch.manual_seed(seed)`` for what a worker uses: the CPU generator, and CUDA's
+    where this process initialised CUDA. (``torch.manual_seed`` also asks every other
+    device backend: ~350 µs here, against ~2 µs for this.)"""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
 def seed_batch(digest: bytes) -> None:
     """Seed torch, ``random`` and NumPy (where installed) from :func:`batch_seed`."""
     seed = int.from_bytes(digest[:8], "little") >> 1  # torch takes up to 2**63 - 1 here
-    torch.manual_seed(seed)
+    _seed_torch(seed)
     random.seed(seed)
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed(np.frombuffer(digest[8:24], dtype=np.uint32))
+
+
+def seed_sample(digest: bytes) -> None:
+    """Seed torch, ``random`` and NumPy (where installed) from :func:`sample_seed`,
+    cheaply enough to do before every sample (NumPy from 32 bits of it: ~3 µs, where
+    seeding it from more costs ~27 µs)."""
+    seed = int.from_bytes(digest[:8], "little") >> 1
+    _seed_torch(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(int.from_bytes(digest[8:12], "little"))
 
 
 _MT_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos

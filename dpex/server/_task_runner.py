@@ -21,10 +21,18 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex._protocol import Kind, ProtocolError
 from dpex._shm import WorkerRing, collating_into
-from dpex._spec import ShippedLoader, WorkerSpec, own_state, stateful_dataset
+from dpex._spec import Positioned, ShippedLoader, WorkerSpec, own_state, stateful_dataset
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
-from dpex.server._rng import RngLog, RngRecorder, batch_seed, restore_rng, seed_batch
+from dpex.server._rng import (
+    RngLog,
+    RngRecorder,
+    batch_seed,
+    restore_rng,
+    sample_seed,
+    seed_batch,
+    seed_sample,
+)
 from dpex.server._trainer_state import enter_trainer_state
 
 __all__ = ["TaskRunner"]
@@ -246,7 +254,8 @@ class TaskRunner:
                     "this worker's worker_init_fn failed (raised on its first batch); as in "
                     "torch it has no fetcher until the next epoch")
             with collating_into(self.ring):
-                batch = self.fetcher.fetch(indices)
+                batch = (self._fetch_per_sample(indices) if isinstance(indices, Positioned)
+                         else self.fetcher.fetch(indices))
             ready_ns = time.time_ns()
         except StopIteration:
             if self.loader.dataset_kind == _DatasetKind.Iterable:
@@ -263,6 +272,22 @@ class TaskRunner:
                                          "or use smaller batches") from None
         except Exception:
             return self._error(epoch, seq, indices)
+
+    def _fetch_per_sample(self, task: Positioned) -> Any:
+        """worker_seeding="per_sample": torch's fetch, with torch, ``random`` and NumPy
+        seeded before each sample from its position in the epoch (so it draws the same
+        whichever rank, worker or batch takes it). A dataset's ``__getitems__`` is not
+        called: each sample is fetched on its own, after its seeding."""
+        fetcher, seed = self.fetcher, self.spec.sample_seed
+        assert fetcher is not None and seed is not None
+        if not fetcher.auto_collation:  # batch_size=None: one sample per task
+            seed_sample(sample_seed(seed, task.epoch, task.first))
+            return fetcher.collate_fn(fetcher.dataset[task.indices])
+        items = []
+        for j, index in enumerate(task.indices):
+            seed_sample(sample_seed(seed, task.epoch, task.first + j * task.stride))
+            items.append(fetcher.dataset[index])
+        return fetcher.collate_fn(items)
 
     def _error(self, epoch: int, seq: int, indices: Any) -> list[Any]:
         wrapper = ExceptionWrapper(where=self._where(seq, indices))
