@@ -107,3 +107,21 @@ def test_bench_latency_reports_each_path_beside_raw_zeromq(tmp_path):
     assert row and float(row[2]) == pytest.approx(
         float(row[1]) - results["zmq-raw-curve"]["p50_ms"], abs=0.011), proc.stdout
     assert (tmp_path / "latency.png").stat().st_size > 5000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_reshard_bench_states_the_resume_and_per_sample_costs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = tmp_path / "reshard.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_reshard.py"), "--samples",
+         "20000", "--workers", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=220, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    resumed = [row for row in data["resume"] if row["resume"] == "4 ranks -> 3"]
+    assert len(resumed) == 2 and all(row["first_batch_ms"] > 0 and 0 < row["state_kib"] < 64
+                                     for row in resumed)
+    assert data["seeding"]["seed_us_per_sample"] > 0 and data["seeding"]["epoch_s_per_sample"] > 0
+    assert "| 4 ranks -> 3 | 1 |" in proc.stdout
