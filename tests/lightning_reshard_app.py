@@ -18,28 +18,23 @@ import sys
 
 import pytorch_lightning as pl
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lightning_app import Noisy  # noqa: E402
+from lightning_resume_app import Model as ResumeModel  # noqa: E402
 
 EPOCHS, STOP_AT, BATCH = 2, 7, 4  # 40 samples, 2 devices: 5 steps an epoch
 
 
-class Model(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(3, 1)
-        self.steps = []
+class Model(ResumeModel):
+    """lightning_resume_app's model, recording each step's sample indices and
+    augmentations (the third feature: a draw from the worker's torch RNG)."""
 
     def training_step(self, batch, batch_idx):
         x, y, _ = batch
         self.steps.append((self.current_epoch, batch_idx, torch.round(x[:, 0] * 10).long(),
                            x[:, 2].clone()))
         return ((self.layer(x).squeeze(-1) - y) ** 2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 class StopAfterCheckpoint(pl.Callback):
