@@ -28,28 +28,21 @@ import sys
 import time
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_resume  # noqa: E402
+import cloudpickle  # noqa: E402
+from bench_resume import Samples  # noqa: E402  (the same cheap samples)
 
 from dpex import DpexDataLoader  # noqa: E402
 from dpex.client._warm import POOL  # noqa: E402
 from dpex.server._rng import sample_seed, seed_sample  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-class Samples(Dataset):
-    """Cheap samples (an index and one draw): the costs measured are dpex's."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i, torch.randint(0, 100, ()).item()])
+cloudpickle.register_pickle_by_value(bench_resume)  # (dpex's workers cannot import scripts/)
 
 
 def make(cls: type, samples: int, batch_size: int, ranks: int, workers: int, **kw) -> DataLoader:
