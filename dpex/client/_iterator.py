@@ -30,9 +30,9 @@ from dpex._reaper import finalizer_for
 from dpex._spec import ShippedLoader, stateful_dataset
 from dpex._stats import Latencies, LoaderStats
 from dpex.client._driver import EpochDriver, Seeds
-from dpex.client._elastic import mean
 from dpex.client._launch import plan_launch
 from dpex.client._replay import Drawing, distributed_seed
+from dpex.client._report import iterator_stats
 from dpex.client._runtime import Runtime, ship
 from dpex.client._scheduler import EPOCH_END
 from dpex.client._shipping import ship_loader
@@ -270,34 +270,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         return self._driver.closed
 
     def stats(self, wait: bool = True) -> LoaderStats:
-        """This iterator's counters and data-stall figures (docs/STATS.md). With
-        ``wait=False`` (``__del__``) the session's counters are read from this thread,
-        not copied on the loop thread."""
-        d = self._driver
-        if wait and d.loop.running:
-            session = d.loop.run(d.session.snapshot(), timeout=5.0)
-        else:  # the loop thread is gone (nothing changes them), or not to be waited for
-            session = d.session.counters()
-        now = time.monotonic()
-        epoch_s = (self._epoch_end or now) - self._epoch_t0
-        sched, scaler = d.sched, d.elastic.autoscaler
-        return {
-            "epoch": sched.epoch,
-            "epoch_s": epoch_s,
-            "data_wait_s": d.wait_s,
-            "data_wait_share": d.wait_s / epoch_s if epoch_s > 0 else 0.0,
-            "workers_ready": len(d.ready),
-            "workers": sched.workers.stats(now, getattr(d.runtime.workers, "warm", ())),
-            "credits_in_flight": sched.in_flight,
-            "worker_batch_s": mean(sched.batch_times.copy()),
-            "batch_latency": self._latencies.summary(),
-            "dataset_bytes": d.shipped.size,
-            "dataset_reused": d.shipped.reused,
-            **session,
-            "dropped": dict(sched.counters),
-            "recoveries": [dict(r) for r in sched.recoveries.copy()],
-            **({"autoscale": scaler.report(sched.num_workers)} if scaler is not None else {}),
-        }
+        """This iterator's counters and data-stall figures (docs/STATS.md); see
+        :func:`~dpex.client._report.iterator_stats`."""
+        epoch_s = (self._epoch_end or time.monotonic()) - self._epoch_t0
+        return iterator_stats(self._driver, epoch_s, self._latencies.summary(), wait)
 
     def __del__(self) -> None:
         # Dropped in the middle of an epoch (a loop left with `break`): the loader keeps
