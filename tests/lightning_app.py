@@ -14,10 +14,13 @@ Scenarios:
   ``seed_everything(..., workers=True)`` seeds the workers.
 - ``ddp``: ``strategy="ddp"`` with 2 CPU processes and ``use_distributed_sampler=True``;
   dpex is imported inside the ``*_dataloader`` hook (after Lightning starts recording).
+  Each rank writes ``DIR/rank{R}.pt``. Then, in the same launch (Lightning launches
+  its ranks once; a second ``Trainer`` joins the same process group, as in a user's
+  script that fits twice), a second fit with ``num_workers=dpex.Autoscale(1, 3)`` and
+  ``worker_seeding="per_batch"`` for dpex (torch's loader: 2 workers) writes
+  ``DIR/autoscale_rank{R}.pt``: the rebuilt loader must keep the policy, and the
+  items (not their worker RNG draws) must match.
 - ``ddp_spawn``: ``strategy="ddp_spawn"``: the loaders are pickled into the ranks.
-- ``ddp_autoscale``: ``ddp`` with ``num_workers=dpex.Autoscale(1, 3)`` and
-  ``worker_seeding="per_batch"`` for dpex (torch's loader: 2 workers); the rebuilt
-  loader must keep the policy, and the items (not their worker RNG draws) must match.
 """
 
 import argparse
@@ -127,7 +130,7 @@ def describe(loader) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--loader", choices=["dpex", "torch"], required=True)
-    p.add_argument("--scenario", choices=["single", "ddp", "ddp_spawn", "ddp_autoscale"],
+    p.add_argument("--scenario", choices=["single", "ddp", "ddp_spawn"],
                    required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -157,29 +160,31 @@ def main() -> None:
     else:
         pl.seed_everything(5, workers=True)
         # One epoch, no sanity check: every worker start costs seconds on 2 cores.
-        strategy = "ddp" if args.scenario == "ddp_autoscale" else args.scenario
-        t = trainer(devices=2, strategy=strategy, max_epochs=1, num_sanity_val_steps=0,
-                    use_distributed_sampler=True, callbacks=[Save(args.out)])
-        if strategy == "ddp":
-            t.fit(Model(), datamodule=Data(args.loader,
-                                           autoscale=args.scenario == "ddp_autoscale"))
+        def ddp_trainer(prefix: str = "") -> pl.Trainer:
+            return trainer(devices=2, strategy=args.scenario, max_epochs=1,
+                           num_sanity_val_steps=0, use_distributed_sampler=True,
+                           callbacks=[Save(args.out, prefix)])
+
+        if args.scenario == "ddp":
+            ddp_trainer().fit(Model(), datamodule=Data(args.loader))
+            ddp_trainer("autoscale_").fit(Model(), datamodule=Data(args.loader, autoscale=True))
         else:  # the loaders are pickled into the spawned ranks
             data = Data(args.loader)
-            t.fit(Model(), train_dataloaders=data.train_dataloader(),
-                  val_dataloaders=data.val_dataloader())
+            ddp_trainer().fit(Model(), train_dataloaders=data.train_dataloader(),
+                              val_dataloaders=data.val_dataloader())
 
 
 class Save(pl.Callback):
     """Each rank writes what it saw when its fit ends (in the rank's own process)."""
 
-    def __init__(self, out: str) -> None:
-        self.out = out
+    def __init__(self, out: str, prefix: str = "") -> None:
+        self.out, self.prefix = out, prefix
 
     def on_fit_end(self, trainer, module) -> None:
         record = {"trainer_pid": os.getpid(), "fit": describe(trainer.train_dataloader),
                   **module.record}
-        torch.save(record, os.path.join(self.out, f"rank{trainer.global_rank}.pt"))
-        print(f"rank {trainer.global_rank} done", flush=True)
+        torch.save(record, os.path.join(self.out, f"{self.prefix}rank{trainer.global_rank}.pt"))
+        print(f"{self.prefix}rank {trainer.global_rank} done", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 DataLoader and with DpexDataLoader gives the same batches, losses and predictions.
 
 tests/lightning_app.py is the script; each run is a fresh process started as a user
-starts it (no cluster, no RAY_ADDRESS), so every process starts its own Ray.
+starts it (no cluster, no RAY_ADDRESS), so every process starts its own Ray. The
+``ddp`` launch serves two tests: its ranks fit twice (plain, then autoscaled).
 """
 
 import os
@@ -21,19 +22,38 @@ ROOT = os.path.dirname(HERE)
 APP = os.path.join(HERE, "lightning_app.py")
 
 
-def run_both(scenario: str, tmp_path) -> tuple[list[dict], list[dict]]:
-    """The script with torch's loader and with dpex's, at the same time; each rank's
-    record of each."""
+def launch_both(scenario: str, out) -> None:
+    """The script with torch's loader and with dpex's, at the same time, writing to
+    ``out/torch`` and ``out/dpex``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    outs = [tmp_path / loader for loader in ("torch", "dpex")]
-    for out in outs:
-        out.mkdir()
-    raycluster.run_together([[sys.executable, APP, "--loader", out.name, "--scenario", scenario,
-                              "--out", str(out)] for out in outs], env)
-    theirs, ours = ([torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
-                    for out in outs)
+    for loader in ("torch", "dpex"):
+        (out / loader).mkdir()
+    raycluster.run_together([[sys.executable, APP, "--loader", loader, "--scenario", scenario,
+                              "--out", str(out / loader)] for loader in ("torch", "dpex")], env)
+
+
+def records(out, prefix: str = "rank") -> tuple[list[dict], list[dict]]:
+    """Each rank's record of each loader (``prefix``: which fit's, see lightning_app's
+    ``ddp``)."""
+    theirs, ours = ([torch.load(p, weights_only=False)
+                     for p in sorted((out / loader).glob(f"{prefix}*.pt"))]
+                    for loader in ("torch", "dpex"))
     return theirs, ours
+
+
+def run_both(scenario: str, tmp_path) -> tuple[list[dict], list[dict]]:
+    launch_both(scenario, tmp_path)
+    return records(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def ddp_launch(tmp_path_factory):
+    """One launch of the ``ddp`` scenario for each loader (its ranks fit twice: plain,
+    then autoscaled), shared by the tests of both fits."""
+    out = tmp_path_factory.mktemp("ddp")
+    launch_both("ddp", out)
+    return out
 
 
 def assert_same_training(theirs: dict, ours: dict) -> None:
@@ -64,8 +84,11 @@ def test_fit_with_datamodule_and_direct_loaders_then_predict_equal_torch(tmp_pat
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_ddp_ranks_get_torchs_per_rank_batches_from_dpex_workers(tmp_path, strategy):
-    theirs, ours = run_both(strategy, tmp_path)
+def test_ddp_ranks_get_torchs_per_rank_batches_from_dpex_workers(request, tmp_path, strategy):
+    if strategy == "ddp":  # (the shared launch, started only where a test asks for it)
+        theirs, ours = records(request.getfixturevalue("ddp_launch"))
+    else:
+        theirs, ours = run_both(strategy, tmp_path)
     assert len(theirs) == len(ours) == 2
     for rank in range(2):
         assert_same_training(theirs[rank], ours[rank])
@@ -81,8 +104,8 @@ def test_ddp_ranks_get_torchs_per_rank_batches_from_dpex_workers(tmp_path, strat
     assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(40))
 
 
-def test_ddp_keeps_an_autoscaled_loader_and_its_per_rank_items(tmp_path):
-    theirs, ours = run_both("ddp_autoscale", tmp_path)
+def test_ddp_keeps_an_autoscaled_loader_and_its_per_rank_items(ddp_launch):
+    theirs, ours = records(ddp_launch, prefix="autoscale_rank")
     assert len(theirs) == len(ours) == 2
     for rank in range(2):
         # Lightning re-created the loader with a DistributedSampler: the policy survived
