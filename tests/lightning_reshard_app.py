@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lightning_app import Noisy  # noqa: E402
 from lightning_resume_app import Model as ResumeModel  # noqa: E402
+from lightning_resume_app import StopAfterCheckpoint  # noqa: E402
 
-EPOCHS, STOP_AT, BATCH = 2, 7, 4  # 40 samples, 2 devices: 5 steps an epoch
+EPOCHS, BATCH = 2, 4  # 40 samples, 2 devices: 5 steps an epoch
 
 
 class Model(ResumeModel):
@@ -35,16 +36,6 @@ class Model(ResumeModel):
         self.steps.append((self.current_epoch, batch_idx, torch.round(x[:, 0] * 10).long(),
                            x[:, 2].clone()))
         return ((self.layer(x).squeeze(-1) - y) ** 2).mean()
-
-
-class StopAfterCheckpoint(pl.Callback):
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == STOP_AT:
-            trainer.save_checkpoint(self.path)
-            trainer.should_stop = True  # the job is preempted here
 
 
 class Save(pl.Callback):
@@ -71,7 +62,7 @@ def main() -> None:
     ckpt = os.path.join(args.out, "mid_epoch.ckpt")
     callbacks = [Save(args.out, args.mode)]
     if args.mode == "stop":
-        callbacks.append(StopAfterCheckpoint(ckpt))
+        callbacks.append(StopAfterCheckpoint(ckpt, raise_=False))
     trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", strategy="ddp",
                          devices=2 if args.mode == "stop" else 1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,

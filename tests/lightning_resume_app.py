@@ -44,13 +44,19 @@ class Model(pl.LightningModule):
 
 
 class StopAfterCheckpoint(pl.Callback):
-    def __init__(self, path: str) -> None:
-        self.path = path
+    """Save a checkpoint at global step STOP_AT, then end the job there: by raising
+    ``Preempted`` (one process), or with ``raise_=False`` by asking the trainer to stop
+    (DDP: every rank must stop at the same step, or the others would wait for it)."""
+
+    def __init__(self, path: str, raise_: bool = True) -> None:
+        self.path, self.raise_ = path, raise_
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == STOP_AT:
             trainer.save_checkpoint(self.path)
-            raise Preempted
+            if self.raise_:
+                raise Preempted
+            trainer.should_stop = True  # the job is preempted here
 
 
 def main() -> None:
