@@ -24,10 +24,11 @@ from dpex.client._resume import (
     Position,
     capture,
     in_trainer,
+    mid_epoch_state,
     plan_from,
     replaying,
 )
-from dpex.errors import DpexDroppedWarning, DpexTimeoutError
+from dpex.errors import DpexDroppedWarning
 
 __all__ = ["DpexDataLoader"]
 
@@ -382,25 +383,11 @@ class DpexDataLoader(DataLoader[T_co]):
     def _keep_position(self, iterator: Any, ask_workers: bool, limit: float | None = None
                        ) -> None:
         """Keep where ``iterator`` stood if it ends in the middle of an epoch (closed,
-        or dropped: a loop left with ``break``), for a ``state_dict()`` taken after
-        it, with its workers' RNG and dataset states where they can be asked for
-        (within ``limit`` s) before they stop; else its resumed workers start from
-        their seeds."""
-        position = capture(self, iterator, None)
-        if not position.partial["mid_epoch"]:
-            return
-        if ask_workers and position.asked:
-            try:
-                self._kept_state = position.state(limit=limit)
-                return
-            except DpexTimeoutError:
-                pass
-        if position.asked:
-            position.iterator = None
-            logger.info("dpex: an iterator was dropped in the middle of an epoch; "
-                        "state_dict() keeps its position, without its workers' RNG states "
-                        "(take state_dict() before leaving the loop to keep them)")
-        self._kept_state = position.state()
+        or dropped: a loop left with ``break``), for a ``state_dict()`` taken after it
+        (see :func:`~dpex.client._resume.mid_epoch_state`)."""
+        state = mid_epoch_state(self, iterator, ask_workers, limit)
+        if state is not None:
+            self._kept_state = state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume where ``state_dict()`` was taken: the next ``iter(loader)`` yields the

@@ -35,10 +35,10 @@ from dpex.client._replay import (
 from dpex.client._reshard import Layout
 from dpex.client._resume_identity import check_identity, identity, sampler_epoch
 from dpex.client._resume_trainer import in_trainer, trainer_states
-from dpex.errors import ResumeStateError, UnsupportedError
+from dpex.errors import DpexTimeoutError, ResumeStateError, UnsupportedError
 
 __all__ = ["STATE_VERSION", "Position", "capture", "identity", "in_trainer",
-           "plan_from", "replaying"]
+           "mid_epoch_state", "plan_from", "replaying"]
 
 logger = logging.getLogger("dpex")
 STATE_VERSION = 1
@@ -178,6 +178,27 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
                  sampler_state=drawing.sampler_state_at(yielded))
     return position
 
+
+
+def mid_epoch_state(loader: Any, iterator: Any, ask_workers: bool, limit: float | None = None
+                    ) -> dict | None:
+    """The state of ``iterator``'s position if it ends in the middle of an epoch, else
+    None: with its workers' RNG and dataset states where they can be asked for (within
+    ``limit`` s) before they stop; else its resumed workers start from their seeds."""
+    position = capture(loader, iterator, None)
+    if not position.partial["mid_epoch"]:
+        return None
+    if ask_workers and position.asked:
+        try:
+            return position.state(limit=limit)
+        except DpexTimeoutError:
+            pass
+    if position.asked:
+        position.iterator = None
+        logger.info("dpex: an iterator was dropped in the middle of an epoch; "
+                    "state_dict() keeps its position, without its workers' RNG states "
+                    "(take state_dict() before leaving the loop to keep them)")
+    return position.state()
 
 def _rank() -> int:
     """This process's rank (torch.distributed), 0 without it."""
