@@ -15,7 +15,7 @@ def python_blocks(path):
         return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("page", ["README.md", "docs/STATS.md", "docs/WARM_WORKERS.md",
                                   "docs/RESUME.md", "docs/AUTOSCALE.md"])
 def test_the_examples_of_a_page_run_on_the_embedded_local_ray(page):
@@ -23,8 +23,10 @@ def test_the_examples_of_a_page_run_on_the_embedded_local_ray(page):
     assert blocks, f"{page} has no python example"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     for code in blocks:
+        # (a limit for a hang, not a speed check: RESUME.md's resharding example starts
+        # 22 workers, 72 s alone here and 137 s beside a busy test process)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=110, env=env, cwd=ROOT)
+                              timeout=220, env=env, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
 
