@@ -64,6 +64,23 @@ def ray_session():
 
 
 @pytest.fixture(autouse=True)
+def trainer_process_state():
+    """torch's worker loop sets process-wide state in its worker process (what
+    ``get_worker_info()`` returns, one torch thread), and so does dpex's (TaskRunner).
+    Tests that run TaskRunners in this process (test_transport, the in-memory worker
+    group) must not hand it to the next test, whose trainer would take itself for a
+    worker: an IterableDataset in the trainer (``num_workers=0``) sharded itself as
+    worker 1 of 3 and yielded nothing, when the suite ran in another order."""
+    import torch
+    from torch.utils.data._utils import worker
+
+    info, threads = worker._worker_info, torch.get_num_threads()
+    yield
+    worker._worker_info = info
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_actors(request):
     """A test that uses Ray must stop every worker it started (STYLE: leaks fail)."""
     yield
