@@ -8,7 +8,7 @@ source "$(dirname "$0")/_env.sh"
 # a third of the time (README, Development). DPEX_TEST_PROCESSES=1 runs one.
 PROCESSES="${DPEX_TEST_PROCESSES:-2}"
 if [ "$PROCESSES" -gt 1 ]; then
-  set -- -n "$PROCESSES" --dist loadfile --no-loadscope-reorder "$@"
+  set -- -n "$PROCESSES" --dist loadfile "$@"
 fi
 # pytest exits 5 when it collects nothing: with `set -e` that fails the run too.
 # The slowest tests are listed at the end (the suite's time is a target: README).

@@ -22,33 +22,6 @@ cloudpickle.register_pickle_by_value(dsets)
 cloudpickle.register_pickle_by_value(resumable)
 
 
-def _expected_cost(item) -> tuple[int, int]:
-    """What a test may take, as the suite itself estimates it: its ``timeout`` mark
-    (120 s, the default, if it has none), counted first for tests marked ``slow``."""
-    mark = item.get_closest_marker("timeout")
-    limit = mark.args[0] if mark else 120
-    return (limit, 0) if item.get_closest_marker("slow") else (0, limit if mark else 0)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The files whose tests cost the most run first, each file's tests in their own
-    order. Two test processes (scripts/test.sh: pytest-xdist, a file's tests in one
-    process, ``--no-loadscope-reorder``) take files in this order, so the last ones
-    each picks up are short, and neither runs a framework file alone at the end.
-    A file's cost: the sum of its slow tests' time limits, then of its other tests'."""
-    cost: dict[str, list[int]] = {}
-    for item in items:
-        slow, other = _expected_cost(item)
-        total = cost.setdefault(item.nodeid.split("::", 1)[0], [0, 0])
-        total[0] += slow
-        total[1] += other
-    first_seen = {f: i for i, f in enumerate(dict.fromkeys(
-        item.nodeid.split("::", 1)[0] for item in items))}
-    items.sort(key=lambda item: (
-        [-c for c in cost[item.nodeid.split("::", 1)[0]]],
-        first_seen[item.nodeid.split("::", 1)[0]]))
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
