@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Set up .venv (torch, dpex, test extras) and run the whole test suite.
 # Extra arguments go to pytest, e.g. `scripts/test.sh -k parity -x`.
+# Two test processes (pytest-xdist), each with its own embedded Ray, all tests of a
+# file in the same one: the suite is bound by CPU and one process leaves the cores
+# idle about 30 % of the time (README, Development). DPEX_TEST_PROCESSES=1 runs one.
+PROCESSES="${DPEX_TEST_PROCESSES:-2}"
+case "$PROCESSES" in
+  ""|*[!0-9]*) echo "DPEX_TEST_PROCESSES must be a number of test processes, got '$PROCESSES'" >&2
+               exit 2 ;;
+esac
 DPEX_EXTRAS=test,dev,examples,bench
 source "$(dirname "$0")/_env.sh"
-# Two test processes (pytest-xdist), each with its own embedded Ray, all tests of a
-# file in the same one: the suite is bound by CPU and one process leaves a core idle
-# a third of the time (README, Development). DPEX_TEST_PROCESSES=1 runs one.
-PROCESSES="${DPEX_TEST_PROCESSES:-2}"
 if [ "$PROCESSES" -gt 1 ]; then
   set -- -n "$PROCESSES" --dist loadfile "$@"
 fi
