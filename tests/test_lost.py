@@ -67,8 +67,9 @@ def test_a_worker_hung_in_getitem_gets_no_more_tasks_and_is_replaced(at):
     # a limit without a batch twice in a row, and was (rightly, by that limit) replaced
     # as hung too. What is left of the epoch once the hung worker's tasks moved (the
     # survivor alone: 10 s) must outlast the second limit, which replaces it.
-    dataset = dsets.HangsInWorker0(at, n=1000)
-    expected = [torch.arange(i, i + 2) for i in range(0, 1000, 2)]
+    n = 1000
+    dataset = dsets.HangsInWorker0(at, n=n)
+    expected = [torch.arange(i, i + 2) for i in range(0, n, 2)]
     started = time.monotonic()
     loader = DpexDataLoader(dataset, distribute_mode=True, timeout=0, lost_batch_timeout=4,
                             startup_timeout=25, **kw)

@@ -179,7 +179,6 @@ def capture(loader: Any, iterator: Any | None, pending: ResumePlan | None) -> Po
     return position
 
 
-
 def mid_epoch_state(loader: Any, iterator: Any, ask_workers: bool, limit: float | None = None
                     ) -> dict | None:
     """The state of ``iterator``'s position if it ends in the middle of an epoch, else
@@ -199,6 +198,7 @@ def mid_epoch_state(loader: Any, iterator: Any, ask_workers: bool, limit: float 
                     "state_dict() keeps its position, without its workers' RNG states "
                     "(take state_dict() before leaving the loop to keep them)")
     return position.state()
+
 
 def _rank() -> int:
     """This process's rank (torch.distributed), 0 without it."""
