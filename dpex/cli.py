@@ -8,7 +8,8 @@
     dpex fleet stop --name prep [--timeout 60] [--now]
 
 Exit status: 0 on success, 1 when the fleet cannot be started, found or reached
-(the message says why), 2 for bad arguments (refused before Ray is joined).
+(the message says why), 2 for bad arguments (refused before Ray is joined), 130 or
+143 when Ctrl-C or SIGTERM interrupts ``stop`` (its drain is undone: the fleet serves).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 __all__ = ["main"]
@@ -110,14 +113,44 @@ def _status_table(rows: list[dict]) -> str:
     lines = ["| worker | node | pid | state | sessions active | sessions served | batches "
              "| MB over socket | batches/s |", "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        if r["state"] != "alive":
+        if "node_ip" not in r:  # it did not answer
             lines.append(f"| {r['worker']} |  |  | {r['state']} |  |  |  |  |  |")
             continue
         rate = "" if r["batches_per_s"] is None else f"{r['batches_per_s']:.0f}"
-        lines.append(f"| {r['worker']} | {r['node_ip']} | {r['pid']} | alive | "
+        lines.append(f"| {r['worker']} | {r['node_ip']} | {r['pid']} | {r['state']} | "
                      f"{r['sessions_active']} | {r['sessions_served']} | {r['batches_sent']} | "
                      f"{r['bytes_sent'] / 1e6:.1f} | {rate} |")
     return "\n".join(lines)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during ``dpex fleet stop``: handled as Ctrl-C is (the drain is undone)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _stop(args: argparse.Namespace, stop_fleet: Callable[..., int]) -> int:
+    """``dpex fleet stop``. Ctrl-C or SIGTERM undoes the drain (see ``stop_fleet``) and
+    exits 130 or 143 (128 + the signal), as a shell reports a command so ended."""
+    here = threading.current_thread() is threading.main_thread()  # (signals: main only)
+    previous = signal.signal(signal.SIGTERM, _terminate) if here else None
+    try:
+        if not args.now:
+            print(f"draining fleet {args.name!r}: no new sessions; running ones may go "
+                  f"on for {args.timeout:g} s (Ctrl-C undoes the drain)", flush=True)
+        stopped = stop_fleet(args.name, args.timeout, args.now,
+                             progress=lambda line: print(line, flush=True))
+    except KeyboardInterrupt as exc:
+        print(f"dpex: interrupted: the stop of fleet {args.name!r} is undone (`dpex fleet "
+              f"stop --name {args.name}` starts it again)", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
+    finally:
+        if previous is not None:  # (None: not set from Python, cannot be put back)
+            signal.signal(signal.SIGTERM, previous)
+    print(f"stopped {stopped} workers of fleet {args.name!r}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,12 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt:
                 print("stopped following; the fleet keeps its size")
         else:
-            if not args.now:
-                print(f"draining fleet {args.name!r}: no new sessions; running ones may go "
-                      f"on for {args.timeout:g} s", flush=True)
-            stopped = stop_fleet(args.name, args.timeout, args.now,
-                                 progress=lambda line: print(line, flush=True))
-            print(f"stopped {stopped} workers of fleet {args.name!r}")
+            return _stop(args, stop_fleet)
     except FleetError as exc:
         print(f"dpex: {exc}", file=sys.stderr)
         return 1

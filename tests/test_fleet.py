@@ -381,3 +381,34 @@ def test_stop_ends_sessions_still_open_after_its_timeout_and_their_trainer_is_to
             list(loader)
     finally:
         loader.close()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_an_interrupted_stop_is_undone_and_a_trainer_attaches(monkeypatch):
+    # Issue 39, item 7: Ctrl-C during `dpex fleet stop` left the fleet draining (and
+    # `status` said "alive"): every trainer failed with "is being stopped" until
+    # another stop. Now the drain is undone and `status` shows it while it lasts.
+    from dpex.server import _fleet
+
+    _fleet.start_fleet("halted", 1, cpus_per_worker=0, progress=lambda line: None)
+    seen: list[str] = []
+
+    def ctrl_c(actors, timeout):  # lands while the stop waits for running sessions
+        seen.extend(r["state"] for r in _fleet.fleet_status("halted", interval=0.1))
+        raise KeyboardInterrupt
+
+    try:
+        monkeypatch.setattr(_fleet, "_wait_idle", ctrl_c)
+        lines: list[str] = []
+        with pytest.raises(KeyboardInterrupt):
+            _fleet.stop_fleet("halted", progress=lines.append)
+        monkeypatch.undo()
+        assert seen == ["draining"]
+        assert lines == ["interrupted: 1 workers of fleet 'halted' take new sessions again "
+                         "(0 removed already)"]
+        assert [r["state"] for r in _fleet.fleet_status("halted", interval=0.1)] == ["alive"]
+        loader = DpexDataLoader(dsets.Squares(8), batch_size=2, num_workers=1,
+                                distribute_mode=True, worker_pool="halted")
+        assert len(list(loader)) == 4
+    finally:
+        assert _fleet.stop_fleet("halted", now=True) == 1

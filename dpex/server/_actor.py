@@ -120,6 +120,10 @@ class DpexWorker:
             for session in list(self._sessions):
                 session.stop.set()
 
+    def undrain(self) -> None:
+        """Undo :meth:`stop`'s drain (an interrupted ``dpex fleet stop``): take new sessions."""
+        self.draining = False
+
     def _count(self, nbytes: int) -> None:
         with self._lock:
             self._counters["batches_sent"] += 1

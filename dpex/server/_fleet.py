@@ -150,7 +150,8 @@ def fleet_status(fleet: str, interval: float = 1.0) -> list[dict]:
             rows.append({"worker": i, "state": "not responding (restarting?)"})
             continue
         rate = (b["batches_sent"] - a["batches_sent"]) / interval if a else None
-        rows.append({"worker": i, "state": "alive", "batches_per_s": rate, **b})
+        state = "draining" if b.get("draining") else "alive"
+        rows.append({"worker": i, "state": state, "batches_per_s": rate, **b})
     return rows
 
 
@@ -162,21 +163,56 @@ def stop_fleet(fleet: str, timeout: float = DRAIN_S, now: bool = False,
     serves may go on for ``timeout`` seconds (their trainers finish their epochs or
     close them). Sessions still open then are ended; their trainers find no worker
     to move to and fail with :class:`FleetError` (the fleet is being stopped, or gone).
-    ``now``: kill the workers at once (their trainers see them die)."""
+    ``now``: kill the workers at once (their trainers see them die).
+
+    Interrupted (KeyboardInterrupt; ``dpex fleet stop`` raises it on SIGTERM too), the
+    stop is undone, not finished: the workers not yet removed take new sessions again,
+    ``progress`` says how many, and the KeyboardInterrupt goes on. Ctrl-C means "do not",
+    not "hurry" (``--now`` hurries), and a SIGTERM comes from a supervisor or a time
+    limit, not from an operator who chose to cut trainers off: finishing would end the
+    running sessions that the drain lets go on, while undoing ends nothing more (only
+    sessions past ``timeout`` were ended already), and a second ``stop`` starts over.
+    Left draining, the fleet served nobody until another ``stop``."""
     actors = fleet_workers(fleet)
     if not actors:
         raise FleetError(f"no dpex fleet named {fleet!r} in this Ray cluster")
     handles = [actor for _, actor in actors]
-    if not now:
-        _call_all(handles, "stop", end_sessions=False)
-        busy = _wait_idle(handles, timeout)
-        if busy:
-            progress(f"{len(busy)} workers still serve sessions after {timeout:g} s: "
-                     "ending them")
-            _remove(busy, progress, drain_s=STOP_GRACE_S + 10.0, report=False)
-    for actor in handles:
-        _kill(actor)
+    if now:
+        for actor in handles:
+            _kill(actor)
+        return len(actors)
+    removed: list[Any] = []
+    try:
+        _drain_and_kill(handles, timeout, progress, removed)
+    except KeyboardInterrupt:
+        left = handles[len(removed):]
+        answered = _call_all(left, "undrain")
+        late = (f"; {len(left) - answered} did not answer within {_CALL_S:g} s and may "
+                "still drain (a restarted worker does not)" if answered < len(left) else "")
+        progress(f"interrupted: {answered} workers of fleet {fleet!r} take new sessions "
+                 f"again ({len(removed)} removed already){late}")
+        raise
     return len(actors)
+
+
+def _drain_and_kill(actors: list[Any], timeout: float, progress: Callable[[str], None],
+                    removed: list[Any]) -> None:
+    """:func:`stop_fleet`'s drain, then kill the workers in order, appending each one
+    killed to ``removed`` (so an interrupt knows which are left)."""
+    _call_all(actors, "stop", end_sessions=False)
+    busy = _wait_idle(actors, timeout)
+    if busy:
+        progress(f"{len(busy)} workers still serve sessions after {timeout:g} s: "
+                 "ending them")
+        _call_all(busy, "stop")
+        grace = STOP_GRACE_S + 10.0
+        still = _wait_idle(busy, grace)
+        if still:
+            progress(f"{len(still)} workers still served sessions after {grace:g} s more: "
+                     "killed (their trainers see a death)")
+    for actor in actors:
+        _kill(actor)
+        removed.append(actor)
 
 
 def scale_fleet(fleet: str, workers: int, timeout: float = 120.0,
@@ -214,8 +250,8 @@ def scale_fleet(fleet: str, workers: int, timeout: float = 120.0,
     return before, workers
 
 
-def _remove(actors: list[Any], progress: Callable[[str], None], drain_s: float = DRAIN_S,
-            report: bool = True) -> None:
+def _remove(actors: list[Any], progress: Callable[[str], None],
+            drain_s: float = DRAIN_S) -> None:
     """Drain the workers, then kill them: each takes no new session, ends the ones it
     serves (their trainers move them to the other workers, which costs none of their
     restarts), and is killed once idle, or after ``drain_s`` seconds (its trainers then
@@ -227,15 +263,24 @@ def _remove(actors: list[Any], progress: Callable[[str], None], drain_s: float =
     if busy:
         progress(f"{len(busy)} of the removed workers still served sessions after "
                  f"{drain_s:g} s: killed (their trainers see a death and restart them)")
-    if report:
-        progress(f"removed {len(actors)} workers")
+    progress(f"removed {len(actors)} workers")
 
 
-def _call_all(actors: list[Any], method: str, **kwargs: Any) -> None:
+def _call_all(actors: list[Any], method: str, **kwargs: Any) -> int:
     """Call ``method`` on every worker; wait for the calls at most _CALL_S (a dead or
-    restarting worker must not hold up the rest)."""
+    restarting worker must not hold up the rest); return how many answered then."""
     refs = [getattr(a, method).remote(**kwargs) for a in actors]
-    ray.wait(refs, num_returns=len(refs), timeout=_CALL_S)
+    if not refs:
+        return 0
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=_CALL_S)
+    answered = 0
+    for ref in done:
+        try:
+            ray.get(ref)
+            answered += 1
+        except ray.exceptions.RayError:
+            pass  # died meanwhile: not answered
+    return answered
 
 
 def _wait_idle(actors: list[Any], timeout: float) -> list[Any]:
