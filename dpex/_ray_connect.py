@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
 import urllib.parse
+from typing import Any, NamedTuple
 
 import ray
 
 from dpex.errors import RayConnectionError
 
-__all__ = ["connect_ray", "would_start_embedded", "ray_handle_reducer", "load_ray_handle"]
+__all__ = ["JobView", "connect_ray", "join_on_first_call", "load_ray_handle",
+           "ray_handle_reducer", "would_start_embedded", "worker_job_view"]
 
 _lock = threading.Lock()
 _REACH_TIMEOUT_S = 10.0
@@ -131,7 +134,7 @@ def ray_handle_reducer(obj: object) -> tuple | None:
 def load_ray_handle(data: bytes) -> object:
     """A shipped object ref or actor handle, in a worker: in a session's own process
     (warm workers, fleets) Ray is not connected yet, and joins the worker's cluster
-    (``RAY_ADDRESS``, set by the session process) first."""
+    (``RAY_ADDRESS``) first, as :func:`join_on_first_call` set it up."""
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         if not address:
@@ -141,3 +144,52 @@ def load_ray_handle(data: bytes) -> object:
             if not ray.is_initialized():
                 ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     return ray.cloudpickle.loads(data)
+
+
+class JobView(NamedTuple):
+    """What a Ray connection of a session's own process is made of, so that its Ray
+    calls see what they would see in the worker that forked it: the cluster (``address``,
+    the GCS), the job's ``namespace`` (named actors are looked up there) and the worker's
+    ``runtime_env`` (which the tasks and actors it starts inherit). None: Ray's default
+    (a namespace of its own, no runtime_env)."""
+
+    address: str
+    namespace: str | None = None
+    runtime_env: dict | None = None
+
+
+def worker_job_view(own_job: bool = True) -> JobView | None:
+    """This Ray worker's view (None outside one: a test's direct instance). ``own_job``
+    False: the cluster alone (a fleet worker's sessions serve other jobs' trainers)."""
+    try:
+        ctx = ray.get_runtime_context()
+        address = ctx.gcs_address
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        return None
+    if not own_job:
+        return JobView(address)
+    runtime_env = dict(ctx.runtime_env or {})
+    return JobView(address, ctx.namespace, runtime_env or None)
+
+
+def join_on_first_call(view: JobView) -> None:
+    """In a session's own process, not connected to Ray (its forkserver never was):
+    make its first Ray connection join ``view``. That connection is a new Ray job (a
+    process joins as a driver), made by the first Ray call of the dataset's code (Ray's
+    automatic ``ray.init()``), by an explicit ``ray.init()`` there, or by a shipped
+    handle (:func:`load_ray_handle`); each goes through ``ray.init``, which takes the
+    view's namespace and runtime_env unless its caller names its own. Ray reads no
+    namespace from the environment outside Ray Client, hence the wrapper; connecting
+    at once instead would cost every session ~0.3 s and Ray's threads."""
+    os.environ["RAY_ADDRESS"] = view.address
+    original = ray.init
+
+    @functools.wraps(original)
+    def init(*args: Any, **kwargs: Any) -> Any:
+        if view.namespace is not None:
+            kwargs.setdefault("namespace", view.namespace)
+        if view.runtime_env:
+            kwargs.setdefault("runtime_env", view.runtime_env)
+        return original(*args, **kwargs)
+
+    ray.init = init

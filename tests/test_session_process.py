@@ -107,7 +107,7 @@ def worker_without_ray(monkeypatch, **kwargs):
     started = threading.Event()
     monkeypatch.setattr(_actor, "prestart", started.set)
     monkeypatch.setattr(_actor, "_placement", lambda: {"node_id": "f" * 56, "pid": 1})
-    monkeypatch.setattr(_actor, "_ray_address", lambda: None)
+    monkeypatch.setattr(_actor, "_ray_view", lambda own_job: None)
     return _actor.DpexWorker(**kwargs), started
 
 

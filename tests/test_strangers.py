@@ -202,7 +202,7 @@ def bare_worker(session_timeout: float) -> DpexWorker:
     worker = DpexWorker.__new__(DpexWorker)
     worker.session_timeout = session_timeout
     worker.placement = {"node_id": "f" * 56, "node_ip": "127.0.0.1", "pid": 1}
-    worker._ray_address = None  # (no cluster for its sessions' Ray calls)
+    worker._ray_view = None  # (no cluster for its sessions' Ray calls)
     worker.draining, worker._forkserver = False, None
     worker._sessions, worker._children = set(), set()
     worker._computes = weakref.WeakSet()

@@ -71,6 +71,66 @@ def test_a_dataset_that_reads_through_ray_works_in_every_session(hold_ref):
     assert all(w["warm"] for w in loader.stats()["workers"].values())
 
 
+def test_ray_calls_in_every_session_see_the_trainers_namespace():
+    """Issue 39, item 2: a warm worker's later sessions join the cluster as a new Ray
+    job; it used to get an anonymous namespace of its own, so a named actor of the
+    trainer's namespace was found in the first iterator and not in the second."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Vocab:
+        def size(self):
+            return 7
+
+    class ReadsTheVocab(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            import ray
+
+            return ray.get(ray.get_actor("vocab").size.remote(), timeout=30) + i
+
+    vocab = Vocab.options(name="vocab").remote()
+    try:
+        loader = DpexDataLoader(ReadsTheVocab(), batch_size=2, num_workers=1,
+                                distribute_mode=True, timeout=60)
+        for _ in range(2):  # the second runs in a process forked on the warm worker
+            assert [b.tolist() for b in loader] == [[7, 8]]
+            assert POOL.wait_settled(20)
+        assert [w["warm"] for w in loader.stats()["workers"].values()] == [True]
+    finally:
+        ray.kill(vocab)
+
+
+def test_tasks_a_session_starts_get_the_workers_runtime_env():
+    """The rest of the job's view: a task the dataset starts inherits the worker's
+    runtime_env in the first session (the actor's own) as in later ones (a new job)."""
+    class ReadsATasksEnv(torch.utils.data.Dataset):
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            import os
+
+            import ray
+
+            @ray.remote(num_cpus=0)
+            def read():
+                return os.environ.get("DPEX_TEST_JOB_VIEW", "unset")
+
+            return ray.get(read.remote(), timeout=60)
+
+    env = {"env_vars": {"DPEX_TEST_JOB_VIEW": "kept"}}
+    loader = DpexDataLoader(ReadsATasksEnv(), batch_size=None, num_workers=1,
+                            distribute_mode=True, timeout=120,
+                            ray_remote_args={"runtime_env": env})
+    for epoch in range(2):
+        assert list(loader) == ["kept"], f"iterator {epoch + 1}"
+        assert POOL.wait_settled(20)
+    assert [w["warm"] for w in loader.stats()["workers"].values()] == [True]
+
+
 def test_idle_workers_end_after_their_timeout_and_on_release():
     loader = DpexDataLoader(dsets.Squares(8), batch_size=4, num_workers=2,
                             distribute_mode=True, warm_worker_timeout=2.0)

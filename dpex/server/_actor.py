@@ -9,12 +9,15 @@ import asyncio
 import os
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpex._spec import WorkerSpec
 from dpex._version import local_versions
 from dpex.server._session import Session, SessionServer
 from dpex.server._session_process import SessionProcess, prestart
+
+if TYPE_CHECKING:
+    from dpex._ray_connect import JobView
 
 __all__ = ["DpexWorker", "SessionWorker"]
 
@@ -30,13 +33,11 @@ def _placement() -> dict:
     }
 
 
-def _ray_address() -> str | None:
-    import ray
+def _ray_view(own_job: bool) -> JobView | None:
+    """What Ray calls in its sessions' processes join (None: not in a Ray worker)."""
+    from dpex._ray_connect import worker_job_view
 
-    try:
-        return ray.get_runtime_context().gcs_address
-    except Exception:  # (not in a Ray worker: a test's direct instance)
-        return None
+    return worker_job_view(own_job)
 
 
 class DpexWorker:
@@ -60,7 +61,9 @@ class DpexWorker:
         self.fleet_setting = fleet_setting
         self.draining = False
         self.placement = _placement()
-        self._ray_address = _ray_address()  # for Ray calls in its sessions' processes
+        # Ray calls in its sessions' processes join its cluster; a trainer's worker's
+        # also its job's namespace and runtime_env (a fleet's serve other jobs).
+        self._ray_view = _ray_view(own_job=not pooled)
         self._sessions: set[Session] = set()
         self._computes: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._children: set[SessionProcess] = set()  # pooled sessions' processes
@@ -150,7 +153,7 @@ class DpexWorker:
     async def _serve_in_child(self, spec: WorkerSpec, shipped: bytes) -> None:
         loop = asyncio.get_running_loop()
         child = SessionProcess(SessionWorker, spec, shipped, self.placement,
-                               self.session_timeout, self._ray_address)
+                               self.session_timeout, self._ray_view)
         session = Session()
         self._sessions.add(session)
         with self._lock:

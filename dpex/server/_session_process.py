@@ -28,7 +28,10 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dpex._ray_connect import JobView
 
 __all__ = ["SessionProcess", "prestart"]
 
@@ -169,11 +172,12 @@ class SessionProcess:
     """The fleet worker's handle on one session's child process."""
 
     def __init__(self, worker_class: type, spec: Any, shipped: bytes, placement: dict,
-                 session_timeout: float, ray_address: str | None = None) -> None:
+                 session_timeout: float, ray_view: JobView | None = None) -> None:
         """``worker_class(placement, session_timeout, counts)`` serves the session in the
         child (the actor module's ``SessionWorker``, passed by reference: pickled by
-        name, so this module does not import the actor's). ``ray_address``: the GCS
-        of the worker's cluster, which Ray calls in the child's dataset code join."""
+        name, so this module does not import the actor's). ``ray_view``: the worker's
+        cluster and job, which Ray calls in the child's dataset code join
+        (:func:`dpex._ray_connect.join_on_first_call`)."""
         ctx = _context()
         self.counts = ctx.RawArray("q", len(COUNTERS))  # written by the child
         self._conn, child_end = ctx.Pipe()
@@ -181,7 +185,7 @@ class SessionProcess:
         self._proc = ctx.Process(
             target=_main, name=f"dpex-session-{spec.worker_id}", daemon=True,
             args=(worker_class, spec, shipped, placement, session_timeout, self.counts,
-                  child_end, ray_address, _START_STATE))
+                  child_end, ray_view, _START_STATE))
         self._lock = threading.Lock()  # start and stop run on executor threads
         self._stopped = False
         self._outcome: BaseException | None = None
@@ -254,18 +258,19 @@ class SessionProcess:
 
 def _main(worker_class: type, spec: Any, shipped: bytes, placement: dict,
           session_timeout: float, counts: Any, conn: Connection,
-          ray_address: str | None = None,
+          ray_view: JobView | None = None,
           start_state: tuple[dict, list, str | None] | None = None) -> None:
     """The child: serve one session until it ends, the fleet worker asks, or dies."""
     if start_state is not None:
         _restore(start_state)  # as the worker started, not as its forkserver did
-    if ray_address:
-        # Ray is imported here but not connected (the forkserver never was): the first
-        # Ray call of the dataset's code (or an object ref or actor handle it holds,
-        # see dpex._ray_connect.load_ray_handle) connects to this address, the worker's
-        # own cluster, instead of starting a new local one. A dataset that makes no Ray
-        # call connects nothing (a connection takes ~0.3 s here).
-        os.environ["RAY_ADDRESS"] = ray_address
+    if ray_view is not None:
+        # Ray is imported here but not connected: the first Ray call of the dataset's
+        # code joins the worker's cluster, namespace and runtime_env, instead of
+        # starting a new local Ray or joining as a stranger. A dataset that makes no
+        # Ray call connects nothing (a connection takes ~0.3 s here).
+        from dpex._ray_connect import join_on_first_call
+
+        join_on_first_call(ray_view)
     worker = worker_class(placement, session_timeout, counts)
     outcome: BaseException | None = None
     try:
