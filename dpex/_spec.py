@@ -5,6 +5,8 @@ small per-worker spec that travels as a Ray argument. Neutral ground: the traine
 from __future__ import annotations
 
 import copy
+import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -12,7 +14,8 @@ from dpex._protocol import Wire
 from dpex._security import ClientKeys
 from dpex._shm import RingRef
 
-__all__ = ["Positioned", "ShippedLoader", "WorkerSpec", "own_state", "stateful_dataset"]
+__all__ = ["PickledLoader", "Positioned", "ShippedLoader", "WorkerSpec", "own_state",
+           "stateful_dataset"]
 
 
 def stateful_dataset(dataset: Any) -> bool:
@@ -49,6 +52,37 @@ class ShippedLoader:
     collate_fn: Any
     drop_last: bool
     worker_init_fn: Any
+
+
+def _loader_bytes(data: Any, refs: tuple) -> bytes:
+    """A :class:`PickledLoader` as a worker gets it: its bytes. ``refs`` were there for
+    Ray to count (it registered them as it unpickled them); the pickle holds its own."""
+    return bytes(data)
+
+
+class PickledLoader(bytearray):
+    """What the trainer puts in the object store for its workers: the pickled loader
+    (with the trainer's state in front) and the Ray object refs pickled in it.
+
+    Why a type of its own: ``ray.put`` of plain ``bytes`` stores them raw, and a ref
+    pickled inside them is one Ray cannot see, so Ray pins what it names for the life of
+    the process that pickled it ("out-of-band" serialization). This object is pickled by
+    Ray instead (not ``bytes``, so not raw), with ``refs`` in band: Ray records them as
+    contained in it, and what they name lives exactly as long as the stored copy does
+    (while the loader or one of its iterators holds it, or a worker's session is given
+    it), then goes, as it does without dpex. The bytes travel out of band (a pickle-5
+    buffer, no copy); a worker gets plain ``bytes``. Built from ``parts`` in one copy.
+    """
+
+    def __init__(self, *parts: Any, refs: Iterable[Any] = ()) -> None:
+        super().__init__()
+        for part in parts:
+            self += part
+        self.refs = tuple(refs)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        data = pickle.PickleBuffer(self) if protocol >= 5 else bytes(self)
+        return _loader_bytes, (data, self.refs)
 
 
 @dataclass(frozen=True)

@@ -11,27 +11,55 @@ from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
+import ray
 
 from dpex._process_state import TrainerState, capture, wrap
-from dpex._ray_connect import ray_handle_reducer
-from dpex._spec import ShippedLoader
+from dpex._ray_connect import load_ray_handle, ray_handle_reducer
+from dpex._spec import PickledLoader, ShippedLoader
 from dpex.errors import DatasetNotPicklableError
 
 __all__ = ["ship_loader", "find_unpicklable"]
 
 
+def _object_ref_in_band(ref: Any) -> tuple:
+    """How a Ray object ref travels inside the pickled loader: pickled by Ray (with its
+    owner; plain cloudpickle drops it, and a worker's ``ray.get`` would wait forever), as
+    ``ray.put`` pickles a ref it stores ("in band"). Pickled plainly ("out of band"),
+    Ray pins the object for the life of this process, as it cannot know who holds the
+    bytes; here the caller keeps the ref and hands it to :class:`PickledLoader`, whose
+    stored copy then holds the object for as long as it lives itself."""
+    context = ray._private.worker.global_worker.get_serialization_context()
+    if not hasattr(context, "set_in_band_serialization"):  # another Ray: its own rule
+        return ray_handle_reducer(ref)
+    context.set_in_band_serialization()
+    try:
+        data = ray.cloudpickle.dumps(ref)
+    finally:
+        context.set_out_of_band_serialization()
+        context.get_and_clear_contained_object_refs()  # ours: the caller keeps the ref
+    return load_ray_handle, (data,)
+
+
 class _ShipPickler(cloudpickle.Pickler):
-    """cloudpickle, except Ray's object refs and actor handles, which Ray pickles (plain
-    cloudpickle drops a ref's owner: a worker's ``ray.get`` of it would wait forever)."""
+    """cloudpickle, except Ray's object refs (pickled in band, collected in ``refs``)
+    and actor handles (which Ray pickles)."""
+
+    def __init__(self, file: io.BytesIO, refs: list) -> None:
+        super().__init__(file, protocol=5)
+        self.refs = refs
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, ray.ObjectRef):
+            self.refs.append(obj)
+            return _object_ref_in_band(obj)
         reduced = ray_handle_reducer(obj)
         return reduced if reduced is not None else super().reducer_override(obj)
 
 
-def _dumps(obj: Any) -> bytes:
+def _dumps(obj: Any, refs: list | None = None) -> bytes:
+    """``obj`` pickled for a worker; the object refs in it are appended to ``refs``."""
     buf = io.BytesIO()
-    _ShipPickler(buf, protocol=5).dump(obj)
+    _ShipPickler(buf, [] if refs is None else refs).dump(obj)
     return buf.getvalue()
 
 _MAX_DEPTH = 6
@@ -95,13 +123,15 @@ _HANDLE_FIX = (
     "(in __getitem__ / __iter__, or in a worker_init_fn)")
 
 
-def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None) -> bytes:
+def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None) -> PickledLoader:
     """Cloudpickle ``shipped``, with this process's state (``state``, else captured now:
-    at ``iter()``) in front for the workers to apply before they unpickle it; raise
+    at ``iter()``) in front for the workers to apply before they unpickle it, and the
+    object refs it holds beside, for Ray to count (:class:`PickledLoader`); raise
     :class:`DatasetNotPicklableError` naming the culprit and how to make it travel."""
+    refs: list = []
     try:
         with _spawned_script_by_value():
-            loader_bytes = _dumps(shipped)
+            loader_bytes = _dumps(shipped, refs)
     except Exception as exc:
         for name in ("dataset", "collate_fn", "worker_init_fn"):
             obj = getattr(shipped, name)
@@ -116,4 +146,5 @@ def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None) -> by
                     f"({type(error).__name__}: {error})." + _HANDLE_FIX.format(attr=attr)
                 ) from exc
         raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc
-    return wrap(capture() if state is None else state, loader_bytes)
+    head = wrap(capture() if state is None else state, b"")
+    return PickledLoader(head, loader_bytes, refs=refs)
