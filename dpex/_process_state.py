@@ -11,8 +11,13 @@ process started (its initial environment, ``/proc/self/environ``; where that can
 read, the environment when dpex was imported). Variables Ray sets per process
 (``RAY_*``, ``PYTHONBREAKPOINT``, the accelerators it assigned) never travel.
 
-``DPEX_SHIP_ENV=0`` in the trainer's environment ships no variables (the directory
-still travels). Module globals never travel: see README, "What a worker sees".
+Secrets stay back: a variable whose name looks like one (it contains ``TOKEN``,
+``SECRET``, ``PASSWORD``, ``KEY`` or ``CREDENTIAL``, in any case: ``HF_TOKEN``, the
+cloud keys, what ``load_dotenv()`` read) travels only if the trainer lists it in
+``DPEX_SHIP_ENV`` (names, comma-separated). A fleet's workers (``worker_pool``) serve
+other people's trainers too: they get no variables unless ``DPEX_SHIP_ENV`` is ``1`` or
+a list. ``DPEX_SHIP_ENV=0`` ships no variables anywhere (the directory still travels).
+Module globals never travel: see README, "What a worker sees".
 
 Pure apart from reading the process's own state in :func:`capture`; the worker side
 (applying and undoing it) is :mod:`dpex.server._trainer_state`. The state travels in
@@ -29,9 +34,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["TrainerState", "capture", "environment_changes", "initial_environment",
-           "wrap", "unwrap", "SHIP_ENV", "shipped_variable"]
+           "wrap", "unwrap", "SHIP_ENV", "looks_secret", "shipped_variable"]
 
-SHIP_ENV = "DPEX_SHIP_ENV"  # "0": ship no environment variables
+# "0": ship no environment variables; "1": ship them (to a fleet's workers too); a list
+# of names (comma-separated): ship them, and those names even if they look like secrets.
+SHIP_ENV = "DPEX_SHIP_ENV"
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL")
 # Set by Ray in each process (the driver's differ from a worker's), or the shell's
 # bookkeeping of a directory that travels on its own.
 _NEVER_PREFIXES = ("RAY_",)
@@ -50,6 +58,13 @@ def shipped_variable(name: str) -> bool:
     return name not in _NEVER and not name.startswith(_NEVER_PREFIXES)
 
 
+def looks_secret(name: str) -> bool:
+    """Whether a variable's name looks like a secret's (``HF_TOKEN``, ``aws_secret_key``):
+    it travels only if the trainer lists it in ``DPEX_SHIP_ENV``."""
+    upper = name.upper()
+    return any(word in upper for word in _SECRET_WORDS)
+
+
 @dataclass(frozen=True)
 class TrainerState:
     """The trainer's working directory and its environment changes, as of ``iter()``."""
@@ -57,6 +72,9 @@ class TrainerState:
     cwd: str | None = None
     set_env: Mapping[str, str] = field(default_factory=dict)  # name -> value
     unset_env: tuple[str, ...] = ()  # removed by the trainer since it started
+    # Changed but kept back (secret-looking names; all, for a fleet by default): named in
+    # the trainer's log, never shipped (not part of what wrap() writes).
+    withheld: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -99,20 +117,28 @@ def environment_changes(now: Mapping[str, str], before: Mapping[str, str]
 
 
 def capture(environ: Mapping[str, str] | None = None, before: Mapping[str, str] | None = None,
-            cwd: str | None = None) -> TrainerState:
-    """This process's state to give its workers: its directory and what its program
-    changed in the environment (nothing with ``DPEX_SHIP_ENV=0``)."""
+            cwd: str | None = None, fleet: bool = False) -> TrainerState:
+    """This process's state to give its workers (a fleet's: ``fleet``): its directory
+    and what its program changed in the environment, less the secret-looking names it
+    does not list in ``DPEX_SHIP_ENV``; nothing with ``DPEX_SHIP_ENV=0``, nor for a fleet
+    unless ``DPEX_SHIP_ENV`` is ``1`` or a list."""
     environ = os.environ if environ is None else environ
     if cwd is None:
         try:
             cwd = os.getcwd()
         except OSError:  # the directory was removed under the trainer
             cwd = None
-    if environ.get(SHIP_ENV, "1").strip() == "0":
+    choice = environ.get(SHIP_ENV, "").strip()
+    if choice == "0":
         return TrainerState(cwd=cwd)
     changed, removed = environment_changes(
         environ, initial_environment() if before is None else before)
-    return TrainerState(cwd=cwd, set_env=changed, unset_env=removed)
+    if fleet and not choice:
+        return TrainerState(cwd=cwd, withheld=tuple(sorted([*changed, *removed])))
+    listed = {name.strip() for name in choice.split(",")}
+    withheld = tuple(k for k in changed if looks_secret(k) and k not in listed)
+    shipped = {k: v for k, v in changed.items() if k not in withheld}
+    return TrainerState(cwd=cwd, set_env=shipped, unset_env=removed, withheld=withheld)
 
 
 def wrap(state: TrainerState, loader_bytes: bytes) -> bytes:

@@ -230,3 +230,48 @@ def test_dpex_shm_ring_0_in_the_trainers_environment_sends_every_batch_by_socket
         stats = loader.stats()
     assert stats["received_in_ring"] == 0 and stats["received"] == 2
     assert all(w["transport"].startswith("socket") for w in stats["workers"].values())
+
+
+# --- secrets (issue 39, item 9) ---------------------------------------------------
+
+SECRETS = {"HF_TOKEN": "hf_x", "AWS_SECRET_ACCESS_KEY": "s", "db_password": "p",
+           "GOOGLE_APPLICATION_CREDENTIALS": "/k.json", "OPENAI_API_KEY": "k"}
+
+
+def test_names_that_look_like_secrets_stay_back_unless_listed():
+    state = capture({**SECRETS, "HF_HOME": "/cache"}, {}, cwd="/d")
+    assert dict(state.set_env) == {"HF_HOME": "/cache"}
+    assert state.withheld == tuple(sorted(SECRETS))
+    listed = {**SECRETS, "HF_HOME": "/cache", SHIP_ENV: "HF_TOKEN, db_password"}
+    state = capture(listed, {}, cwd="/d")
+    assert dict(state.set_env) == {"HF_HOME": "/cache", "HF_TOKEN": "hf_x", "db_password": "p",
+                                   SHIP_ENV: "HF_TOKEN, db_password"}
+    assert state.withheld == ("AWS_SECRET_ACCESS_KEY", "GOOGLE_APPLICATION_CREDENTIALS",
+                              "OPENAI_API_KEY")
+    assert "hf_x" not in wrap(capture({**SECRETS}, {}, cwd="/d"), b"").decode()
+
+
+def test_a_fleets_workers_get_no_variables_unless_the_trainer_asks():
+    now = {"HF_HOME": "/cache", "HF_TOKEN": "hf_x"}
+    state = capture(now, {"GONE": "1"}, cwd="/d", fleet=True)
+    assert (dict(state.set_env), state.unset_env, state.cwd) == ({}, (), "/d")
+    assert state.withheld == ("GONE", "HF_HOME", "HF_TOKEN")  # said in the log
+    asked = capture({**now, SHIP_ENV: "1"}, {}, cwd="/d", fleet=True)
+    assert dict(asked.set_env) == {"HF_HOME": "/cache", SHIP_ENV: "1"}
+    listed = capture({**now, SHIP_ENV: "HF_TOKEN"}, {}, cwd="/d", fleet=True)
+    assert dict(listed.set_env) == {"HF_HOME": "/cache", "HF_TOKEN": "hf_x", SHIP_ENV: "HF_TOKEN"}
+    assert capture({"HF_HOME": "/cache"}, {}, cwd="/d").set_env == {"HF_HOME": "/cache"}
+
+
+def test_the_shipped_names_are_logged_once_and_never_their_values(caplog):
+    shipped = ShippedLoader(dataset=[1, 2], dataset_kind=0, auto_collation=True,
+                            collate_fn=None, drop_last=False, worker_init_fn=None)
+    state = capture({"HF_HOME": "/cache/hub", "HF_TOKEN": "hf_secret"}, {"OLD": "1"}, cwd="/d")
+    with caplog.at_level("INFO", logger="dpex"):
+        for _ in range(3):
+            ship_loader(shipped, state)
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    message = caplog.records[0].getMessage()
+    assert "HF_HOME" in message and "OLD" in message and "HF_TOKEN" in message
+    assert "/cache/hub" not in message and "hf_secret" not in message
+    assert caplog.records[0].levelname == "WARNING"  # something was held back

@@ -85,7 +85,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             dataset=self._dataset, dataset_kind=self._dataset_kind,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
             drop_last=self._drop_last, worker_init_fn=worker_init_fn,
-        ))
+        ), fleet=config.worker_pool is not None)
         handoff: queue.SimpleQueue = queue.SimpleQueue()
         number = next(_iterator_ids)
         label = f"iterator {number} of a DpexDataLoader over {type(self._dataset).__name__}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import re
 import sys
 import threading
@@ -13,7 +14,7 @@ from typing import Any
 import cloudpickle
 import ray
 
-from dpex._process_state import TrainerState, capture, wrap
+from dpex._process_state import SHIP_ENV, TrainerState, capture, looks_secret, wrap
 from dpex._ray_connect import load_ray_handle, ray_handle_reducer
 from dpex._spec import PickledLoader, ShippedLoader
 from dpex.errors import DatasetNotPicklableError
@@ -62,7 +63,9 @@ def _dumps(obj: Any, refs: list | None = None) -> bytes:
     _ShipPickler(buf, [] if refs is None else refs).dump(obj)
     return buf.getvalue()
 
+
 _MAX_DEPTH = 6
+_logger = logging.getLogger("dpex")
 
 
 def _children(obj: Any) -> list[tuple[str, Any]]:
@@ -123,11 +126,36 @@ _HANDLE_FIX = (
     "(in __getitem__ / __iter__, or in a worker_init_fn)")
 
 
-def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None) -> PickledLoader:
+_said: set[tuple] = set()  # the environment names this process has logged
+_said_lock = threading.Lock()
+
+
+def _say_environment(state: TrainerState) -> None:
+    """Log which variables travel to the workers and which stay back: their names,
+    never their values; once per process for each set of names."""
+    names = (tuple(state.set_env), state.unset_env, state.withheld)
+    with _said_lock:
+        if not any(names) or names in _said:
+            return
+        _said.add(names)
+    shipped = "; ".join(f"{how} {', '.join(some)}" for how, some in (
+        ("set", names[0]), ("removed", names[1])) if some) or "none"
+    message = f"dpex ships the trainer's environment changes to its workers: {shipped}"
+    if state.withheld:
+        why = (f"names that look like secrets travel only if {SHIP_ENV} lists them"
+               if all(map(looks_secret, state.withheld)) else
+               f"a fleet's workers get them only with {SHIP_ENV}=1 or a list of names")
+        message += f"; kept back ({why}): {', '.join(state.withheld)}"
+    _logger.log(logging.WARNING if state.withheld else logging.INFO, message)
+
+
+def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None, *,
+                fleet: bool = False) -> PickledLoader:
     """Cloudpickle ``shipped``, with this process's state (``state``, else captured now:
-    at ``iter()``) in front for the workers to apply before they unpickle it, and the
-    object refs it holds beside, for Ray to count (:class:`PickledLoader`); raise
-    :class:`DatasetNotPicklableError` naming the culprit and how to make it travel."""
+    at ``iter()``, for a fleet's workers if ``fleet``) in front for the workers to apply
+    before they unpickle it, and the object refs it holds beside, for Ray to count
+    (:class:`PickledLoader`); raise :class:`DatasetNotPicklableError` naming the culprit
+    and how to make it travel. The variable names that travel are logged once."""
     refs: list = []
     try:
         with _spawned_script_by_value():
@@ -146,5 +174,6 @@ def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None) -> Pi
                     f"({type(error).__name__}: {error})." + _HANDLE_FIX.format(attr=attr)
                 ) from exc
         raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc
-    head = wrap(capture() if state is None else state, b"")
-    return PickledLoader(head, loader_bytes, refs=refs)
+    state = capture(fleet=fleet) if state is None else state
+    _say_environment(state)
+    return PickledLoader(wrap(state, b""), loader_bytes, refs=refs)
