@@ -187,3 +187,73 @@ def test_the_forkserver_preloads_the_libraries_a_first_session_imported(tmp_path
     assert run.returncode == 0, run.stderr[-2000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     assert seen == {"colorsys": setting is None, "usermod": False, "touched": False}
+
+
+THREADED_PRELOAD_HOST = textwrap.dedent("""
+    import json, sys
+    from dpex.server import _session_process
+    names = ["colorsys", sys.argv[1]]
+    for name in names:   # what the first session imported
+        __import__(name)
+    _session_process.library_modules = lambda: names  # (as if all were installed)
+    _session_process.prestart()
+    ctx = _session_process._context()
+    parent, child = ctx.Pipe()
+    import probe
+    p = ctx.Process(target=probe.report, args=(child, names))
+    p.start()
+    print(json.dumps(parent.recv()))
+    p.join(30)
+""")
+
+THREAD_STARTERS = {
+    "python": """
+        import threading, time
+        threading.Thread(target=time.sleep, args=(3600,), name="threadlib-poller",
+                         daemon=True).start()
+    """,
+    # A thread of C code, unknown to Python: libc's sleep(3600) as its start routine.
+    "native": """
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        tid = ctypes.c_ulong()
+        start = ctypes.cast(libc.sleep, ctypes.c_void_p)
+        assert libc.pthread_create(ctypes.byref(tid), None, start, ctypes.c_void_p(3600)) == 0
+    """,
+}
+
+
+@pytest.mark.parametrize("kind", ["python", "native", "openblas"])
+def test_a_library_that_starts_a_thread_on_import_is_not_preloaded(tmp_path, kind):
+    """Issue 39, item 8: a library that starts a thread on import made the forkserver,
+    and so every later session's fork, a fork of a multi-threaded process (a lock
+    that thread holds stays held in the child). The forkserver says so and starts
+    again without the libraries: the session has none of them imported. A thread
+    pool that stops around a fork (OpenBLAS's, which scipy starts on import: Lightning
+    imports it) leaves the preload as it was."""
+    if kind == "openblas":
+        pytest.importorskip("scipy.linalg")
+        library = "scipy.linalg"
+    else:
+        library = "threadlib"
+        (tmp_path / "threadlib.py").write_text(textwrap.dedent(THREAD_STARTERS[kind]))
+    (tmp_path / "probe.py").write_text(textwrap.dedent("""
+        import sys
+        def report(conn, names):
+            conn.send({name: name in sys.modules for name in names})
+    """))
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))])}
+    env.pop("DPEX_FORKSERVER_PRELOAD", None)
+    run = subprocess.run([sys.executable, "-c", THREADED_PRELOAD_HOST, library], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    preloaded = kind == "openblas"
+    assert seen == {"colorsys": preloaded, library: preloaded}
+    said = [line for line in run.stderr.splitlines() if "started threads" in line]
+    if preloaded:
+        assert said == []
+    else:
+        assert len(said) == 1 and "from threadlib" in said[0], run.stderr[-2000:]
+        assert ("threadlib-poller" in said[0]) == (kind == "python")
