@@ -26,6 +26,7 @@ from dpex.errors import (
     ResumeStateError,
     UnsupportedError,
     WorkerDiedError,
+    WorkerHungError,
     WorkerStartupError,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "DatasetNotPicklableError",
     "WorkerStartupError",
     "WorkerDiedError",
+    "WorkerHungError",
     "BatchTooLargeError",
     "FleetError",
     "IteratorClosedError",

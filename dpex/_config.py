@@ -30,10 +30,15 @@ class DpexConfig:
     (the same-node fast path); 0 turns it off.
     ``worker_pool``: the name of a running fleet (``dpex fleet start``) whose workers
     serve this loader's sessions instead of workers of its own.
-    ``lost_batch_timeout``: seconds a worker that holds tasks may send nothing before
-    they are presumed lost (a frame dropped with a connection) and computed again; None
+    ``lost_batch_timeout``: seconds a result may stay missing, from a worker that holds
+    tasks and sends nothing, or whose progress reports show it past that task, before
+    it is presumed lost (a frame dropped with a connection) and computed again; None
     derives it from the batch times seen (10 x the usual, at least 10 s, 60 s for an
     IterableDataset, whose worker is replaced); 0 never presumes a batch lost.
+    ``hung_batch_timeout``: seconds a worker may compute one batch (a first batch: with
+    loading the dataset and ``worker_init_fn``), alive and reporting progress, before it
+    is presumed hung (a read that never returns) and replaced; None never (torch's
+    loader waits for any batch). A worker that is computing is never presumed lost.
     ``warm_worker_timeout``: seconds a worker process that reserves nothing is kept
     idle after its iterator ends, for this process's next iterator to start on (in
     milliseconds instead of seconds); 0 ends every worker with its iterator, as torch
@@ -60,6 +65,7 @@ class DpexConfig:
     shm_ring_bytes: int = DEFAULT_RING_BYTES
     worker_pool: str | None = None
     lost_batch_timeout: float | None = None
+    hung_batch_timeout: float | None = 600.0
     warm_worker_timeout: float = 60.0
     worker_seeding: str = "torch"
     encryption: bool | None = None
@@ -94,6 +100,12 @@ class DpexConfig:
                 or not self.lost_batch_timeout >= 0):
             raise ValueError("lost_batch_timeout must be None (derived), 0 (off) or a number "
                              f"of seconds > 0, got {self.lost_batch_timeout!r}")
+        if self.hung_batch_timeout is not None and (
+                isinstance(self.hung_batch_timeout, bool)
+                or not isinstance(self.hung_batch_timeout, (int, float))
+                or not self.hung_batch_timeout > 0):
+            raise ValueError("hung_batch_timeout must be None (never) or a number of seconds "
+                             f"> 0, got {self.hung_batch_timeout!r}")
         if (isinstance(self.warm_worker_timeout, bool)
                 or not isinstance(self.warm_worker_timeout, (int, float))
                 or not self.warm_worker_timeout >= 0):

@@ -48,7 +48,11 @@ which its predecessor already delivered), ``RNG_QUERY`` (the worker's RNG states
 of epoch ``epoch``, for ``DpexDataLoader.state_dict()``; the worker answers
 ``RNG_STATE`` with ``seq`` = that batch), ``STOP`` and ``PING`` (sent every
 ``PING_INTERVAL_S`` while the trainer lives; a worker whose session hears nothing
-for its session timeout ends that session, so a vanished trainer frees it).
+for its session timeout ends that session, so a vanished trainer frees it), and
+``PROGRESS`` (worker → trainer, every ``PROGRESS_INTERVAL_S``: ``seq`` is the batch
+its compute thread works on, ``IDLE`` or ``LOADING``, and ``payload`` how many seconds
+it has worked on it; a worker that computes is told from one that is wedged or lost
+a frame, see :mod:`dpex.client._lost`).
 
 This module frames and authenticates (:meth:`Wire.open`); it unpickles only
 in-band payloads (:meth:`Wire.decode`, the control plane). Opening never raises
@@ -80,15 +84,20 @@ __all__ = [
     "Envelope",
     "Wire",
     "worker_identity",
+    "PROGRESS_INTERVAL_S",
+    "IDLE",
+    "LOADING",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8  # 8: PROGRESS
 _HEADER = struct.Struct("<BB16sIqHIIq")
 HEADER_SIZE = _HEADER.size
 MAC_SIZE = 16
 KEY_SIZE = 32
 DEFAULT_MAX_MESSAGE_BYTES = 2 << 30  # 2 GiB
 PING_INTERVAL_S = 1.0
+PROGRESS_INTERVAL_S = 1.0
+IDLE, LOADING = -1, -2  # PROGRESS's seq when the worker computes no batch / loads its dataset
 
 
 class Kind(enum.IntEnum):
@@ -105,6 +114,7 @@ class Kind(enum.IntEnum):
     PING = 15
     RNG_QUERY = 16
     RNG_STATE = 17
+    PROGRESS = 18
 
 
 # What a worker sends its trainer's data socket: batches (by transport), errors, ENDs.

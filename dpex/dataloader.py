@@ -112,6 +112,7 @@ class DpexDataLoader(DataLoader[T_co]):
         shm_ring_bytes: int = DEFAULT_RING_BYTES,
         worker_pool: str | None = None,
         lost_batch_timeout: float | None = None,
+        hung_batch_timeout: float | None = 600.0,
         warm_worker_timeout: float = 60.0,
         worker_seeding: str = "torch",
         encryption: bool | None = None,

@@ -5,6 +5,8 @@
      ├── DatasetNotPicklableError the dataset / sampler / collate_fn cannot be shipped to workers
      ├── WorkerStartupError      workers could not be placed or started within the start-up limit
      ├── WorkerDiedError         a worker actor exited while its iterator still needed it
+     │    └── WorkerHungError    dpex killed a worker as hung (or for a lost batch) more
+     │                           often than it does: the batch or the worker is named
      ├── FleetError              a worker fleet (``worker_pool``, ``dpex fleet``) cannot be
      │                           started, found or used
      ├── BatchTooLargeError      (raised inside a worker, in its batch's slot) a batch is
@@ -46,6 +48,7 @@ __all__ = [
     "DatasetNotPicklableError",
     "WorkerStartupError",
     "WorkerDiedError",
+    "WorkerHungError",
     "BatchTooLargeError",
     "FleetError",
     "IteratorClosedError",
@@ -78,6 +81,12 @@ class WorkerStartupError(DpexError):
 
 class WorkerDiedError(DpexError):
     """A worker actor exited while its iterator still needed it."""
+
+
+class WorkerHungError(WorkerDiedError):
+    """dpex killed a worker as hung (silent, or one batch past ``hung_batch_timeout``)
+    or for a lost batch of its shard, more often than it does (per worker, per batch):
+    the message says which, and after how long."""
 
 
 class BatchTooLargeError(DpexError):

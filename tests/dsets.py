@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import struct
 import time
 
@@ -328,6 +329,17 @@ class HangsInWorker0(Dataset):
     def __getitem__(self, i: int):
         if i == self.at and get_worker_info().id == 0:
             time.sleep(self.hold)
+        time.sleep(0.01)
+        return torch.tensor(i)
+
+
+class StopsWorker0(HangsInWorker0):
+    """Worker 0 stops its own process (SIGSTOP: every thread, as a debugger or an
+    operator's ``kill -STOP`` would) on item ``at``; any other worker computes it."""
+
+    def __getitem__(self, i: int):
+        if i == self.at and get_worker_info().id == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(0.01)
         return torch.tensor(i)
 

@@ -89,5 +89,5 @@ def test_a_flagged_worker_silent_for_another_limit_hangs_unless_heard_from():
     watch.heard(1)  # a late result: slow, not hung
     assert watch.hung() == []
     clock.now += 3
-    assert watch.hung() == [0]
+    assert watch.hung() == [(0, 12.0)]  # (silent since its result at 0)
     assert watch.hung() == []  # named once

@@ -38,7 +38,7 @@ from dpex._spec import WorkerSpec
 from dpex._version import local_versions
 from dpex.client._deadlines import Deadlines, Due
 from dpex.client._elastic import Elastic
-from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
+from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello, WorkerProgress
 from dpex.client._launch import LaunchPlan
 from dpex.client._runtime import Runtime, Seeds, Shipment
 from dpex.client._scheduler import (
@@ -61,6 +61,7 @@ from dpex.errors import (
     PlacementWarning,
     ResumeStateError,
     WorkerDiedError,
+    WorkerHungError,
     WorkerStartupError,
 )
 
@@ -105,6 +106,7 @@ class EpochDriver:
         self._ring_bytes, self._node_id = config.shm_ring_bytes, node_id
         self._free_resources = free_resources
         self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
+        self._wait_from: float | None = None  # when the wait for the next event began
         try:
             runtime.open()
             self.specs = [
@@ -137,7 +139,8 @@ class EpochDriver:
             plan.num_workers, prefetch_factor, in_order=in_order, iterable=iterable,
             max_restarts=config.max_worker_restarts, lost_timeout=config.lost_batch_timeout,
             lost_floor=_LOST_FLOOR_ITERABLE_S if iterable else _LOST_FLOOR_S,
-            first_batch_timeout=config.startup_timeout)  # (its loading counts)
+            first_batch_timeout=config.startup_timeout,  # (its loading counts)
+            hung_timeout=config.hung_batch_timeout)
         # The training loop's waits: this epoch's, and over the driver's life (the
         # autoscaler's measure).
         self.wait_s, self.waited_total, self.taken_total = 0.0, 0.0, 0
@@ -203,7 +206,10 @@ class EpochDriver:
             elif isinstance(action, StopWorker):
                 self._stop_worker(action.worker_id)
             elif isinstance(action, KillWorker):
-                self.runtime.workers.kill(action.worker_id)
+                self._kill(action)
+            elif isinstance(action, Fatal):
+                self._fail(WorkerHungError(self._worker_named(action.worker_id) + " was "
+                                           + action.hung))
             else:
                 raise AssertionError(f"unknown scheduler action {action!r}")
         if messages:
@@ -257,6 +263,9 @@ class EpochDriver:
             self._on_hello(event)
         elif isinstance(event, WorkerExit):
             self._on_exit(event)
+        elif isinstance(event, WorkerProgress):
+            self.apply(self.sched.progress(event.worker_id, event.incarnation, event.epoch,
+                                           event.seq, event.working_s, event.queued, event.at))
         elif isinstance(event, RngReply):
             self._rng_replies[(event.worker_id, event.epoch, event.seq)] = event
         elif isinstance(event, LoopFailure):
@@ -270,7 +279,16 @@ class EpochDriver:
         workers start); with no timeout, wake every few seconds to check the loop lives.
         None once ``until`` (a monotonic time) has passed without one."""
         starting = not self.sched.workers.all_ready()
-        deadline = self.deadlines.wait_deadline(time.monotonic(), starting)
+        if self._wait_from is None:
+            self._wait_from = time.monotonic()
+        deadline = self.deadlines.wait_deadline(self._wait_from, starting)
+        event = self._next_event(deadline, starting, until)
+        if not isinstance(event, WorkerProgress):  # (a report every second is no batch)
+            self._wait_from = None
+        return event
+
+    def _next_event(self, deadline: float | None, starting: bool,
+                    until: float | None) -> Any:
         while True:
             try:  # what already arrived counts, however late this thread came to look
                 return self.handoff.get_nowait()
@@ -341,14 +359,36 @@ class EpochDriver:
             self._fail(WorkerStartupError(
                 f"dpex worker {exit_.worker_id} (node {where}) failed to start: {what}"
             ), exit_.error)
-        pid = self.known.get(w, {}).get("pid", "?")
-        restarts = self.sched.workers[w].incarnation - self.sched.workers[w].moves
+        rec = self.sched.workers[w]
+        restarts = rec.incarnation - rec.moves - rec.kills
         self._fail(WorkerDiedError(
-            f"dpex worker {w} (pid {pid}, node {where}) died after {restarts} "
+            f"{self._worker_named(w)} died after {restarts} "
             f"restart(s), the most max_worker_restarts={self.sched.max_restarts} allows: "
             + (f"{type(cause).__name__}: {cause}" if exit_.error is not None
                else "its session ended without an error")
         ), exit_.error)
+
+    def _worker_named(self, w: int) -> str:
+        known = self.known.get(w, {})
+        pid = known.get("session_pid", known.get("pid", "?"))
+        return f"dpex worker {w} (pid {pid}, node {known.get('node_ip', 'unknown node')})"
+
+    def _kill(self, kill: KillWorker) -> None:
+        """Kill a worker dpex presumes broken (it is replaced), and say so."""
+        if kill.why == "lost":
+            logger.warning("%s: batch %s of its IterableDataset shard was lost on the way; "
+                           "killing it so that a replacement redoes its shard from there",
+                           self._worker_named(kill.worker_id), kill.seq)
+        elif kill.why == "computing":
+            logger.warning("%s: killed as hung after %.0f s computing batch %s, over "
+                           "hung_batch_timeout=%s; its tasks go to a replacement",
+                           self._worker_named(kill.worker_id), kill.seconds, kill.seq,
+                           self.sched.losses.hung_limit)
+        else:
+            logger.warning("%s: killed as hung after %.0f s without a sign of life (no "
+                           "result, no progress report) while it held tasks",
+                           self._worker_named(kill.worker_id), kill.seconds)
+        self.runtime.workers.kill(kill.worker_id)
 
     def _check_placement(self) -> None:
         """Once per start-up: warn if the workers still missing wait for resources

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["WorkerHello", "WorkerExit", "LoopFailure", "RngReply"]
+__all__ = ["WorkerHello", "WorkerExit", "LoopFailure", "RngReply", "WorkerProgress"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,21 @@ class RngReply:
     epoch: int
     seq: int
     state: dict | None
+
+
+@dataclass(frozen=True)
+class WorkerProgress:
+    """A worker's PROGRESS: its compute thread works on batch ``seq`` of ``epoch``
+    (``IDLE``, ``LOADING``: see :mod:`dpex._protocol`) and has for ``working_s``;
+    ``queued`` items wait for it."""
+
+    worker_id: int
+    incarnation: int
+    epoch: int
+    seq: int
+    working_s: float
+    queued: int
+    at: float = field(default_factory=time.monotonic)  # when the trainer's loop got it
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,32 @@
 """Which batches were lost on the way, and which workers hang: the bookkeeping behind
-``lost_batch_timeout``.
+``lost_batch_timeout`` and ``hung_batch_timeout``.
 
 Pure (no I/O). A worker computes its tasks in the order it got them and sends the
 results over one connection, so a result that overtakes an earlier task of the same
-worker means that task was lost (a *gap*). A worker holding tasks that sends nothing
-for the limit, counted from when it could start its oldest one (its previous result,
-or the task's arrival if it was idle: idle time is no batch time), is *silent*. The
-limit is ``lost_batch_timeout`` or, derived, ``factor`` x the 90th percentile of the
-workers' usual time per batch, at least ``floor``; a worker's first batch, which
-includes loading the dataset, is judged against ``first_limit`` (the loader's
-``startup_timeout``) instead. A silent worker that then stays silent for another
-limit, with nothing more to do, *hangs* (stuck in ``__getitem__``, not a lost frame).
+worker means that task was lost (a *gap*). Every second each worker also says what
+its compute thread works on and for how long (PROGRESS, sent by its control thread),
+which tells three cases apart:
+
+- **computing**: its PROGRESS names a task it holds. It is neither lost nor hung, however
+  long the batch takes (cold reads, retries with back-off, a slow video), up to
+  ``hung_limit`` seconds on one batch (``hung_batch_timeout``; a first batch's time
+  includes loading the dataset and ``worker_init_fn``): past that it is *overdue*,
+  killed and replaced as hung, as a ``__getitem__`` that sleeps forever would be.
+- **past a task** whose result never came: its PROGRESS names a later task, or says it
+  is idle (a task sent more than ``IDLE_GRACE_S`` before). That result (or the task)
+  was lost although the worker is healthy (a frame dropped with a connection): once
+  it has stayed missing for the limit, it is *lost* and computed again.
+- **silent**: a worker holding tasks from which nothing came, no result and no
+  PROGRESS, for the limit, counted from when it could start its oldest task (its
+  previous result, or the task's arrival if it was idle: idle time is no batch time).
+  Its process is stopped (SIGSTOP), wedged holding the GIL, or cut off: its tasks
+  are presumed lost; silent for another limit since, it *hangs*: killed and replaced.
+
+The limit is ``lost_batch_timeout`` or, derived, ``factor`` x the 90th percentile of
+the workers' usual time per batch, at least ``floor``; a worker's first batch is judged
+against ``first_limit`` (the loader's ``startup_timeout``) for silence instead: a
+dataset's unpickling can hold the GIL for long. A worker that sends no PROGRESS (an
+in-memory fake) is judged by its results alone, as before PROGRESS existed.
 """
 
 from __future__ import annotations
@@ -24,43 +40,58 @@ from typing import Any
 __all__ = ["LossWatch"]
 
 FACTOR = 10.0
+# A worker idle in its PROGRESS is past the tasks sent to it this much earlier (the
+# rest may still be on their way to it).
+IDLE_GRACE_S = 2.0
+IDLE, LOADING = -1, -2  # (as in dpex._protocol: a PROGRESS's seq)
 
 
 class LossWatch:
     def __init__(self, num_workers: int, timeout: float | None, floor: float,
                  clock: Callable[[], float] = time.monotonic,
-                 first_limit: float | None = None) -> None:
+                 first_limit: float | None = None, hung_limit: float | None = None) -> None:
         self.timeout, self.floor, self.clock = timeout, floor, clock
-        self.first_limit = first_limit
+        self.first_limit, self.hung_limit = first_limit, hung_limit
         self._sends = itertools.count()
         self._order: dict[int, tuple[int, float]] = {}  # seq -> (send order, when sent)
-        self._last = [clock()] * num_workers  # last sign of life (a result, a HELLO)
+        self._last = [clock()] * num_workers  # its last result or HELLO (batch time)
+        self._heard = [clock()] * num_workers  # any sign of life (also a PROGRESS)
         self._past_first: set[int] = set()  # workers (incarnations) that sent a result
         self._flagged: dict[int, float] = {}  # silent worker -> when judged so
         self._batch_times: collections.deque[float] = collections.deque(maxlen=64)
+        # Each worker's last PROGRESS: (seq, seconds on it, when it came).
+        self._working: dict[int, tuple[int | None, float, float]] = {}
+        self._passed: dict[int, float] = {}  # seq -> when its worker was seen past it
+        self._overdue: set[int] = set()  # workers named overdue (once per incarnation)
 
     def new_epoch(self) -> None:
         self._order.clear()
+        self._passed.clear()
 
     def add_worker(self) -> None:
         """One more worker id (the next one), silent from now."""
         self._last.append(self.clock())
+        self._heard.append(self.clock())
 
     def sent(self, seq: int) -> None:
         """``seq`` was sent (again), now."""
         self._order[seq] = (next(self._sends), self.clock())
+        self._passed.pop(seq, None)
 
     def forget(self, seq: int) -> None:
         """``seq`` was taken: nothing can overtake it any more."""
         self._order.pop(seq, None)
+        self._passed.pop(seq, None)
 
     def alive(self, worker_id: int) -> None:
         """A (re-)HELLO: the worker's silence counts from now."""
-        self._last[worker_id] = self.clock()
+        self._last[worker_id] = self._heard[worker_id] = self.clock()
 
     def replaced(self, worker_id: int) -> None:
         self._past_first.discard(worker_id)
         self._flagged.pop(worker_id, None)
+        self._working.pop(worker_id, None)
+        self._overdue.discard(worker_id)
 
     def batch_time(self, worker_id: int, seq: int, now: float) -> float | None:
         """How long ``worker_id`` took for ``seq``, arriving ``now``: from when it could
@@ -79,43 +110,95 @@ class LossWatch:
         if worker_id in self._past_first and took is not None:
             self._batch_times.append(took)
         self._past_first.add(worker_id)
-        self._last[worker_id] = now
+        self._last[worker_id] = self._heard[worker_id] = now
         self._flagged.pop(worker_id, None)
         if sent is None:
             return []
         return [task for task in outstanding if self._order.get(task[0], sent)[0] < sent[0]]
 
+    def progress(self, worker_id: int, seq: int | None, working_s: float, holds: list[int],
+                 now: float | None = None) -> None:
+        """A PROGRESS of ``worker_id`` (``now``): it works on ``seq`` (``IDLE``, ``LOADING``,
+        or None: a task of another epoch) for ``working_s``, and holds ``holds``. Its tasks
+        it is past are marked (lost once they stay missing for the limit)."""
+        now = self.clock() if now is None else now
+        self._heard[worker_id] = now
+        self._flagged.pop(worker_id, None)
+        self._working[worker_id] = (seq, working_s, now)
+        if seq == IDLE:
+            past = [s for s in holds if s in self._order
+                    and self._order[s][1] < now - IDLE_GRACE_S]
+        elif seq is not None and seq >= 0 and seq in holds and seq in self._order:
+            mine = self._order[seq][0]
+            past = [s for s in holds if s in self._order and self._order[s][0] < mine]
+            for s in holds:  # it works on this one; those after it wait behind it
+                if s in self._order and self._order[s][0] >= mine:
+                    self._passed.pop(s, None)
+        else:
+            past = []  # loading, or not comparable: it is past nothing we know of
+        for s in past:
+            self._passed.setdefault(s, now)
+
     def silent(self, busy: dict[int, Iterable[int]]) -> list[int]:
-        """Workers of ``busy`` (ready worker -> the seqs it holds) that could have started
-        their oldest task longer than the limit ago and sent nothing since. Each is
-        flagged: judged by :meth:`hung` from then on, not here again until it sends."""
+        """Workers of ``busy`` (ready worker -> the seqs it holds) from which nothing came
+        (no result, no PROGRESS) for longer than the limit since they could start their
+        oldest task. Each is flagged: judged by :meth:`hung` from then on, not here
+        again until it is heard from."""
         now, out = self.clock(), []
         for w, seqs in busy.items():
             limit = self._limit_for(w)
             sent = [self._order[s][1] for s in seqs if s in self._order]
             if limit is None or not sent or w in self._flagged:
                 continue
-            if now - max(self._last[w], min(sent)) > limit:
+            if now - max(self._heard[w], min(sent)) > limit:
                 self._flagged[w] = now
                 out.append(w)
         return out
 
-    def hung(self) -> list[int]:
-        """Flagged workers silent for another limit since: replace them. (Each is named
-        once. The lost-batch limit, also after a first batch: startup_timeout, which
-        covers loading the dataset, was granted already.)"""
+    def passed(self, busy: dict[int, Iterable[int]]) -> dict[int, list[int]]:
+        """The seqs each worker of ``busy`` was seen past (its PROGRESS) longer than the
+        limit ago whose results never came: lost although the worker is healthy."""
+        limit, now = self.limit(), self.clock()
+        if limit is None:
+            return {}
+        out = {w: [s for s in seqs if now - self._passed.get(s, now) > limit]
+               for w, seqs in busy.items()}
+        return {w: seqs for w, seqs in out.items() if seqs}
+
+    def overdue(self, busy: Iterable[int]) -> list[tuple[int, int, float]]:
+        """Workers of ``busy`` (holding tasks) whose PROGRESS shows one batch (or the
+        loading before its first) worked on longer than ``hung_limit``: (worker, its
+        seq, seconds). Each is named once per incarnation."""
+        if not self.hung_limit:
+            return []
+        now, out = self.clock(), []
+        for w in busy:
+            seq, working_s, at = self._working.get(w, (IDLE, 0.0, now))
+            if seq == IDLE or w in self._overdue or w in self._flagged:
+                continue
+            working = working_s + (now - at)
+            if working > self.hung_limit:
+                self._overdue.add(w)
+                out.append((w, -1 if seq is None else seq, working))
+        return out
+
+    def hung(self) -> list[tuple[int, float]]:
+        """Flagged workers silent for another limit since: replace them (with how long
+        they have been silent). Each is named once. The lost-batch limit, also after a
+        first batch: startup_timeout, which covers loading the dataset, was granted
+        already."""
         now, out = self.clock(), []
         limit = self.limit()
         for w, at in list(self._flagged.items()):
             if limit is not None and now - at > limit:
                 del self._flagged[w]
-                out.append(w)
+                out.append((w, now - self._heard[w]))
         return out
 
     def heard(self, worker_id: int) -> None:
         """Any result of the worker's (a late copy of a task handed to another too): it
         is not hung."""
-        self._last[worker_id] = self.clock()
+        self._heard[worker_id] = self.clock()
         self._flagged.pop(worker_id, None)
 
     def _limit_for(self, worker_id: int) -> float | None:

@@ -15,7 +15,10 @@ event                      actions it may return
 ``ready(w, info)``         none
 ``exited(w, ...)``         ``Fatal``, or ``StartReplacement`` then ``Control``
                            (SKIP) and ``SendTasks``
-``check_lost()``           ``SendTasks`` / ``KillWorker`` for silent workers
+``check_lost()``           ``SendTasks`` / ``KillWorker`` for silent workers,
+                           lost batches and overdue ones; ``Fatal`` once dpex's
+                           kills of a worker or a batch are spent
+``progress(w, ...)``       none (a PROGRESS: what the worker computes)
 ``add_worker(draw)``       ``StartWorker``, ``SendTasks`` for the credit it adds
 ``retire_worker(w)``       ``SendTasks`` (its queued tasks, to others), later
                            ``StopWorker`` once it holds nothing
@@ -57,12 +60,12 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dpex._protocol import Kind, Message
 from dpex.client._ledger import TaskLedger
-from dpex.client._lost import LossWatch
+from dpex.client._lost import IDLE, LossWatch
 from dpex.client._ordering import OrderingBuffer
 from dpex.client._worker_table import Recovery, WorkerTable, recovery
 
@@ -110,14 +113,28 @@ class StopWorker:
 
 @dataclass(frozen=True)
 class KillWorker:
-    """End a worker presumed broken; its exit comes back as ``exited``."""
+    """End a worker presumed broken; its exit comes back as ``exited``. ``why``:
+    "silent" (hung: no sign of life), "computing" (hung: on batch ``seq`` past
+    ``hung_timeout``) or "lost" (an IterableDataset's batch ``seq`` lost: only a
+    replacement can redo its shard); ``seconds``: the silence, or the batch's time."""
     worker_id: int
+    why: str = field(default="silent", compare=False)  # (what the warning says)
+    seq: int | None = field(default=None, compare=False)
+    seconds: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
 class Fatal:
     worker_id: int
     startup: bool  # it never started (or cannot): WorkerStartupError, else WorkerDiedError
+    hung: str = ""  # dpex's own kills are spent: why (WorkerHungError)
+
+
+# dpex's own kills (hung, or an IterableDataset batch lost) have a budget of their own,
+# apart from ``max_worker_restarts`` (deaths): per worker id per iterator, and per batch
+# that computed too long (a batch that hangs wherever it runs).
+MAX_KILLS_PER_WORKER = 3
+MAX_HANGS_PER_BATCH = 2
 
 
 # -- the scheduler -----------------------------------------------------------------------
@@ -126,7 +143,7 @@ class EpochScheduler:
     def __init__(self, num_workers: int, prefetch_factor: int, *, in_order: bool = True,
                  iterable: bool = False, max_restarts: int = 3,
                  lost_timeout: float | None = None, lost_floor: float = 10.0,
-                 first_batch_timeout: float | None = None,
+                 first_batch_timeout: float | None = None, hung_timeout: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if prefetch_factor * num_workers < 1:
             raise ValueError("credit window capacity must be >= 1, got "
@@ -139,7 +156,8 @@ class EpochScheduler:
         self.ledger = TaskLedger(num_workers)
         self.buffer = OrderingBuffer(in_order)
         self.losses = LossWatch(num_workers, lost_timeout, lost_floor, clock,
-                                first_limit=first_batch_timeout)
+                                first_limit=first_batch_timeout, hung_limit=hung_timeout)
+        self._hangs: collections.Counter[int] = collections.Counter()  # seq -> overdue kills
         self.counters: collections.Counter[str] = collections.Counter()
         self.recoveries: list[dict] = []  # one per restart: when reported, when ready
         self.epoch = 0
@@ -196,6 +214,7 @@ class EpochScheduler:
         self.buffer.reset()
         self.ledger.reset()
         self.losses.new_epoch()
+        self._hangs.clear()
         self.workers.new_epoch()
         self._turn = first_worker % len(self.workers)
         self._unsent = {}
@@ -350,6 +369,8 @@ class EpochScheduler:
 
     def _result(self, msg: Message) -> None:
         owner = self.ledger.worker_of(msg.seq)
+        if msg.worker_id < len(self.workers):
+            self._heard(msg.worker_id, msg.incarnation)  # (late and stale ones too)
         if msg.epoch != self.epoch or owner is None:
             self.counters["stale"] += 1
             return
@@ -359,10 +380,6 @@ class EpochScheduler:
         if msg.incarnation != self.workers[msg.worker_id].incarnation:
             self.counters["stale_incarnation"] += 1  # sent late by a replaced worker
             return
-        sender = self.workers[msg.worker_id]
-        if sender.suspended:  # it was only slow: it takes tasks again
-            sender.suspended = False
-            self.losses.heard(msg.worker_id)
         # (A map-style batch given to another worker may come from its first owner: the
         # same batch, and the first copy to arrive counts.)
         fresh = self.ledger.received(msg.seq)
@@ -387,6 +404,35 @@ class EpochScheduler:
             rec.active, rec.ended_seq = False, msg.seq
         if not self.buffer.put(msg.seq, msg):
             self.counters["stale"] += 1
+
+    def _heard(self, worker_id: int, incarnation: int) -> None:
+        """Any authenticated message of ``worker_id``'s current incarnation (a late copy
+        of a batch another worker delivered, a PROGRESS): it answers, so it is not hung
+        and, if it was suspended, takes tasks again."""
+        rec = self.workers[worker_id]
+        if incarnation != rec.incarnation or rec.gone:
+            return
+        self.losses.heard(worker_id)
+        if rec.suspended:
+            rec.suspended = False
+            self.counters["unsuspended"] += 1
+
+    def progress(self, worker_id: int, incarnation: int, epoch: int, seq: int,
+                 working_s: float, queued: int = 0, at: float | None = None) -> list[Any]:
+        """A PROGRESS of ``worker_id``: its compute thread works on ``seq`` of ``epoch``
+        (or is IDLE, or LOADING) for ``working_s`` seconds, ``queued`` items waiting."""
+        if worker_id >= len(self.workers):
+            return []
+        rec = self.workers[worker_id]
+        if incarnation != rec.incarnation or rec.gone:
+            return []
+        self._heard(worker_id, incarnation)
+        holds = [s for s, _ in self.ledger.outstanding(worker_id)] if self.ledger.pending(
+            worker_id) else []
+        if (epoch != self.epoch and seq >= 0) or (seq == IDLE and queued):
+            seq = None  # another epoch's task, or between two tasks: compares to nothing
+        self.losses.progress(worker_id, seq, working_s, holds, at)
+        return self._actions()
 
     def ready(self, worker_id: int, info: dict) -> list[Any]:
         """The current incarnation of ``worker_id`` said HELLO."""
@@ -434,7 +480,7 @@ class EpochScheduler:
         result has not arrived (map-style: the survivors take them at once)."""
         rec = self.workers[w]
         rec.incarnation += 1
-        rec.info, rec.suspended = None, False
+        rec.info, rec.suspended, rec.killed = None, False, False
         self._unqueue(w)  # they are among its outstanding tasks, re-routed below
         self.counters["restarted"] += 1
         self.losses.replaced(w)
@@ -527,11 +573,14 @@ class EpochScheduler:
     # -- lost batches -----------------------------------------------------------------
 
     def check_lost(self) -> list[Any]:
-        """A worker that holds tasks and has sent nothing for the lost-batch limit lost
-        them (a frame or task dropped with a connection) or hangs: they are computed
-        again, and a map-style worker takes no new task until it sends a result. Silent
-        for another limit after that, it hangs (stuck in ``__getitem__``): it is killed
-        and replaced. (An idle worker's silence says nothing.)"""
+        """The lost-batch and hung-worker rules (:mod:`dpex.client._lost`). A worker
+        that holds tasks and from which nothing came for the limit lost them (a frame
+        or task dropped with a connection), or is stopped or wedged: they are computed
+        again, and a map-style worker takes no new task until it is heard from; silent
+        for another limit, it hangs: killed and replaced. A task a healthy worker is
+        past whose result stays missing for the limit is computed again. A worker that
+        computes one batch past ``hung_timeout`` is killed and replaced. (An idle
+        worker's silence says nothing.)"""
         self._flush()  # (what is queued here was never sent, so never lost)
         busy = {w: [seq for seq, _ in self.ledger.outstanding(w)]
                 for w in self.workers.ready_infos() if self.ledger.pending(w)}
@@ -541,17 +590,44 @@ class EpochScheduler:
             if not self.iterable:
                 self.workers[w].suspended = True
                 self.counters["suspended"] += 1
+        for w, seqs in self.losses.passed(
+                {w: seqs for w, seqs in busy.items() if w not in lost}).items():
+            lost[w] = [t for t in self.ledger.outstanding(w) if t[0] in seqs]
         for w, tasks in lost.items():
             self.counters["lost"] += len(tasks)
-            self._recompute(w, tasks, avoid=set(lost))
-        for w in self.losses.hung():
+            self._recompute(w, tasks, avoid=set(silent))
+        for w, seq, working in self.losses.overdue(busy):
+            self._hangs[seq] += seq >= 0
+            self._kill(w, "computing", seq, working)
+        for w, silence in self.losses.hung():
             rec = self.workers[w]
             if self.iterable or not rec.suspended or rec.gone:
                 continue  # (an IterableDataset's silent worker was killed at once)
-            self.counters["replaced_hung"] += 1
-            self._out.append(KillWorker(w))
+            self._kill(w, "silent", None, silence)
         self._stop_drained()
         return self._actions()
+
+    def _kill(self, w: int, why: str, seq: int | None, seconds: float) -> None:
+        """dpex kills worker ``w`` (its exit comes back and it is replaced, apart from
+        ``max_restarts``), or gives up once its kills or the batch's hangs are spent."""
+        rec = self.workers[w]
+        if rec.killed:
+            return  # on its way out already
+        rec.kills += 1
+        rec.killed = True
+        self.counters["replaced_for_lost" if why == "lost" else "replaced_hung"] += 1
+        batch_spent = why == "computing" and self._hangs[seq] >= MAX_HANGS_PER_BATCH
+        if rec.kills > MAX_KILLS_PER_WORKER or batch_spent:
+            what = {"computing": f"killed as hung after {seconds:.0f} s computing batch {seq} "
+                                 "(hung_batch_timeout)",
+                    "silent": f"killed as hung after {seconds:.0f} s without a sign of life",
+                    "lost": f"killed for a lost batch ({seq}) of its shard"}[why]
+            spent = (f"batch {seq} hung {self._hangs[seq]} times, on each worker it ran on"
+                     if batch_spent else f"dpex killed worker {w} {rec.kills - 1} times "
+                     f"before, the most it does ({MAX_KILLS_PER_WORKER})")
+            self._out.append(Fatal(w, startup=False, hung=f"{what}; {spent}"))
+            return
+        self._out.append(KillWorker(w, why, seq, seconds))
 
     def _recompute(self, w: int, tasks: list[tuple[int, Any]],
                    avoid: set[int] = frozenset()) -> None:
@@ -560,8 +636,7 @@ class EpochScheduler:
         replacement of ``w`` (only it can produce the rest of its shard), which starts
         after what ``w`` delivered."""
         if self.iterable:
-            self.counters["replaced_for_lost"] += 1
-            self._out.append(KillWorker(w))  # its exit comes back: it is replaced
+            self._kill(w, "lost", min(seq for seq, _ in tasks) if tasks else None, 0.0)
             return
         self._hand_over(w, tasks, keep_owner_if_alone=True, avoid=avoid)
 

@@ -37,7 +37,7 @@ from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire
 from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
 from dpex._transport import SOCKET, Receiver, RingTransport
-from dpex.client._events import LoopFailure, RngReply, WorkerHello
+from dpex.client._events import LoopFailure, RngReply, WorkerHello, WorkerProgress
 from dpex.client._routes import ControlRoutes
 from dpex.errors import ProtocolError
 
@@ -217,7 +217,8 @@ class TrainerSession:
                 self.send(worker_id, Kind.PING, 0)
 
     def _on_control(self) -> None:
-        """The control socket may have messages (HELLO, RNG_STATE): take them all."""
+        """The control socket may have messages (HELLO, RNG_STATE, PROGRESS): take them
+        all."""
         self._control_drain_due = False
         sock = self._ctrl
         if sock is None or sock.closed:
@@ -238,9 +239,14 @@ class TrainerSession:
         except ProtocolError as exc:
             self.counts.rejected[exc.reason] += 1
             return
-        if msg.kind not in (Kind.HELLO, Kind.RNG_STATE) or (
+        if msg.kind not in (Kind.HELLO, Kind.RNG_STATE, Kind.PROGRESS) or (
                 identity != self.routes.identity(msg.worker_id)):
             self.counts.rejected["kind"] += 1
+            return
+        if msg.kind is Kind.PROGRESS:
+            working_s, queued = msg.payload
+            self.handoff.put(WorkerProgress(msg.worker_id, msg.incarnation, msg.epoch, msg.seq,
+                                            float(working_s), int(queued)))
             return
         if msg.kind is Kind.RNG_STATE:
             self.handoff.put(RngReply(msg.worker_id, msg.epoch, msg.seq, msg.payload))

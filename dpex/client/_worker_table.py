@@ -68,7 +68,9 @@ class WorkerRecord:
     gone: bool = False  # retired (or its start given up): no longer one of the workers
     moves: int = 0  # replacements after its fleet worker ended the session (not deaths)
     suspended: bool = False  # silent past the lost-batch limit: no new task until it
-    # sends a result; silent for another limit, it is replaced (it hangs)
+    # is heard from; silent for another limit, it is replaced (it hangs)
+    kills: int = 0  # incarnations dpex killed (hung, or a shard's batch lost)
+    killed: bool = False  # the current incarnation is being killed by dpex
 
     @property
     def ready(self) -> bool:
@@ -152,10 +154,12 @@ def recovery(record: WorkerRecord, *, startup_error: bool, unplaced: bool,
              max_restarts: int) -> Recovery:
     """What a worker's exit calls for. A worker that never said HELLO failed to
     start (unless Ray could not place it because its node went away: placed again,
-    like a death); one that died is replaced while restarts are left."""
+    like a death); one that died is replaced while restarts are left; one that dpex
+    killed (hung) is replaced."""
     fatal = (record.known is None and not unplaced) or startup_error
-    if fatal:
+    if fatal and not record.killed:
         return Recovery.STARTUP_FAILED
-    if record.incarnation - record.moves < max_restarts:
+    # dpex's own kills have a budget of their own (the scheduler's), not max_restarts.
+    if record.killed or record.incarnation - record.moves - record.kills < max_restarts:
         return Recovery.RESTART
     return Recovery.DIED

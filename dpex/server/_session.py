@@ -16,6 +16,7 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -25,7 +26,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dpex._addresses import ACCEPT_FROM_ENV, ADVERTISE_ENV, PORT_RANGE_ENV
 from dpex._epoch_marks import AppliedMarks
-from dpex._protocol import Kind, ProtocolError, worker_identity
+from dpex._protocol import (
+    IDLE,
+    LOADING,
+    PROGRESS_INTERVAL_S,
+    Kind,
+    ProtocolError,
+    worker_identity,
+)
 from dpex._security import ControlFreshness, connect_promptly
 from dpex._shm import RingUnavailable, WorkerRing
 from dpex._spec import WorkerSpec
@@ -65,6 +73,16 @@ class Session:
         self.marks = AppliedMarks()  # RESUME / SKIP applied (once each, however they came)
         self.runner: TaskRunner | None = None  # set by the compute thread once loaded
         self.answers: set[asyncio.Task] = set()  # RNG_QUERY answers being prepared
+        # What the compute thread works on, and since when (monotonic): (epoch, seq,
+        # started); seq LOADING while it loads the dataset, IDLE between tasks. Written
+        # by the compute thread as one tuple, read by the PROGRESS sender.
+        self.working: tuple[int, int, float] = (0, LOADING, time.monotonic())
+
+    def progress(self, now: float, queued: int) -> tuple[int, int, tuple[float, int]]:
+        """(epoch, seq, (seconds on it, items queued for the compute thread)): what a
+        PROGRESS message says."""
+        epoch, seq, since = self.working
+        return epoch, seq, (0.0 if seq == IDLE else now - since, queued)
 
 
 class ConnectionLog:
@@ -167,15 +185,20 @@ class SessionServer:
             compute.start()
             reader = asyncio.ensure_future(self.read_control(ctrl, spec, inbox, session, log))
             stopper = asyncio.ensure_future(session.stop.wait())
+            beat = asyncio.ensure_future(_send_progress(ctrl, spec, session, inbox))
             try:
-                await asyncio.wait({reader, stopper, done}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({reader, stopper, done, beat},
+                                   return_when=asyncio.FIRST_COMPLETED)
                 if reader.done():
                     reader.result()  # re-raise what ended the reader
                 if done.done():
                     done.result()  # re-raise what ended the compute thread
+                if beat.done():
+                    beat.result()
             finally:
                 reader.cancel()
                 stopper.cancel()
+                beat.cancel()
                 for answer in session.answers:
                     answer.cancel()
         finally:
@@ -211,6 +234,7 @@ class SessionServer:
             node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
             state = TaskRunner(spec, shipped, node, ring)
             session.runner = state
+            session.working = (0, IDLE, time.monotonic())
             while not halt.is_set():
                 try:
                     item = inbox.get(timeout=0.5)
@@ -218,15 +242,20 @@ class SessionServer:
                     continue
                 if item is None:
                     break
-                if item[0] is _RESUME:
-                    state.resume(item[1], epoch=item[2])
-                    continue
-                if item[0] is _SKIP:
-                    state.skip(item[1], epoch=item[2])
+                if item[0] is _RESUME or item[0] is _SKIP:
+                    # (passing over a shard's delivered batches is work towards the
+                    # next task, as loading is)
+                    session.working = (item[2], LOADING, time.monotonic())
+                    if item[0] is _RESUME:
+                        state.resume(item[1], epoch=item[2])
+                    else:
+                        state.skip(item[1], epoch=item[2])
+                    session.working = (item[2], IDLE, time.monotonic())
                     continue
                 epoch, seq, indices = item
                 if epoch < session.epoch_floor:
                     continue  # a task of an abandoned epoch: not worth computing
+                session.working = (epoch, seq, time.monotonic())
                 frames = state.run_task(epoch, seq, indices)
                 while not halt.is_set():
                     try:
@@ -235,6 +264,7 @@ class SessionServer:
                         break
                     except zmq.Again:
                         continue
+                session.working = (epoch, IDLE, time.monotonic())
             outcome: tuple = (done.set_result, None)
         except BaseException as exc:
             outcome = (done.set_exception, exc)
@@ -316,6 +346,19 @@ class SessionServer:
                          "raise DpexDataLoader(max_message_bytes=...) or keep less in the "
                          "dataset's state_dict()"})
         await ctrl.send_multipart(frames)
+
+
+async def _send_progress(ctrl: zmq.asyncio.Socket, spec: WorkerSpec, session: Session,
+                         inbox: queue.SimpleQueue) -> None:
+    """Every PROGRESS_INTERVAL_S: what the compute thread works on, and for how long.
+    Sent from this (control) thread, so a worker whose compute thread sleeps in
+    ``__getitem__`` still shows it computes; a process that is stopped, or wedged
+    holding the GIL, falls silent (see :mod:`dpex.client._lost`)."""
+    while True:
+        await asyncio.sleep(PROGRESS_INTERVAL_S)
+        epoch, seq, working = session.progress(time.monotonic(), inbox.qsize())
+        await ctrl.send_multipart(spec.wire.encode(Kind.PROGRESS, epoch, seq, spec.worker_id,
+                                                   working))
 
 
 def _attach_ring(spec: WorkerSpec, node_id: str) -> tuple[WorkerRing | None, str]:
