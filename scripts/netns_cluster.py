@@ -13,6 +13,10 @@ nodes (scripts/bench_hosts.py). Every namespace has a default route over its
 link, so Ray and dpex pick those addresses. Everything (processes, namespaces,
 links) is removed on exit, also when the caller fails. Needs root and ``ip``
 (iproute2).
+
+``other_subnet()`` builds namespaces without Ray: a head on 198.51.100.1/25 and
+hosts on the other /25 (198.51.100.130, ...), outside the subnet of the head's
+address, as a node an autoscaler adds in another zone (tests/test_accept_netns.py).
 """
 
 from __future__ import annotations
@@ -119,36 +123,30 @@ def two_hosts(node_cpus: int = 2) -> Iterator[Cluster]:
 
 
 @contextlib.contextmanager
-def hosts(nodes: int = 1, node_cpus: int = 2) -> Iterator[Cluster]:
-    """Build the namespaces and links, start the Ray head and ``nodes`` worker nodes;
-    tear all down after."""
-    if not 1 <= nodes <= 9:
-        raise ValueError(f"nodes={nodes}: 1 to 9 worker nodes")
-    tag = f"{os.getpid() % 100000}"
+def _network(tag: str, head_cidrs: list[str],
+             node_cidrs: list[str]) -> Iterator[tuple[str, list[str], list[str]]]:
+    """A head namespace with a bridge holding ``head_cidrs`` and one namespace per
+    ``node_cidrs`` entry joined to it by a veth pair (default routes over the links);
+    yields (head namespace, node namespaces, the head's ends of the links). All is
+    removed on exit."""
     head_ns, bridge = f"dpxh{tag}", f"dpxb{tag}"
-    node_nss = [f"dpxn{tag}" if i == 0 else f"dpxn{tag}-{i}" for i in range(nodes)]
-    head_veths = [f"dpxh{tag}v" if i == 0 else f"dpxh{tag}v{i}" for i in range(nodes)]
-    node_veths = [f"dpxn{tag}v" if i == 0 else f"dpxn{tag}v{i}" for i in range(nodes)]
-    temp = tempfile.mkdtemp(prefix="dpexnetns")
-    port = 6379
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16),
-               DPEX_ADVERTISE_ADDRESS=HEAD_IP,
-               PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p))
-    cluster = Cluster(head_ns, node_nss, head_veths, f"{HEAD_IP}:{port}", env)
+    count = len(node_cidrs)
+    node_nss = [f"dpxn{tag}" if i == 0 else f"dpxn{tag}-{i}" for i in range(count)]
+    head_veths = [f"dpxh{tag}v" if i == 0 else f"dpxh{tag}v{i}" for i in range(count)]
+    node_veths = [f"dpxn{tag}v" if i == 0 else f"dpxn{tag}v{i}" for i in range(count)]
     made: list[str] = []
     try:
         _ip("netns", "add", head_ns)
         made.append(head_ns)
         in_head = ("netns", "exec", head_ns, "ip")
         _ip(*in_head, "link", "add", bridge, "type", "bridge")
-        for args in (("addr", "add", f"{HEAD_IP}/24", "dev", bridge),
-                     ("link", "set", bridge, "up"), ("link", "set", "lo", "up"),
+        for cidr in head_cidrs:
+            _ip(*in_head, "addr", "add", cidr, "dev", bridge)
+        for args in (("link", "set", bridge, "up"), ("link", "set", "lo", "up"),
                      ("route", "add", "default", "dev", bridge)):
             _ip(*in_head, *args)
-        for i, (ns, head_veth, node_veth) in enumerate(zip(node_nss, head_veths, node_veths,
-                                                           strict=True)):
+        for ns, head_veth, node_veth, cidr in zip(node_nss, head_veths, node_veths,
+                                                  node_cidrs, strict=True):
             _ip("netns", "add", ns)
             made.append(ns)
             _ip("link", "add", head_veth, "type", "veth", "peer", "name", node_veth)
@@ -156,47 +154,116 @@ def hosts(nodes: int = 1, node_cpus: int = 2) -> Iterator[Cluster]:
             _ip(*in_head, "link", "set", head_veth, "master", bridge)
             _ip(*in_head, "link", "set", head_veth, "up")
             _ip("link", "set", node_veth, "netns", ns)
-            for args in (("addr", "add", f"{node_ip(i)}/24", "dev", node_veth),
+            for args in (("addr", "add", cidr, "dev", node_veth),
                          ("link", "set", node_veth, "up"), ("link", "set", "lo", "up"),
                          ("route", "add", "default", "dev", node_veth)):
                 _ip("netns", "exec", ns, "ip", *args)
-        common = ["--block", "--disable-usage-stats"]
-        head = subprocess.Popen(
-            cluster.cmd(head_ns, os.path.join(BIN, "ray"), "start", "--head",
-                        f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=0",
-                        "--include-dashboard=false", f"--temp-dir={temp}/head", *common),
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
-        cluster.procs.append(head)
-        _wait_port(head_ns, HEAD_IP, port, head, 60)
-        for i, ns in enumerate(node_nss):
-            resources = {"prep": node_cpus, **{f"hosts{k}": 1 for k in range(i + 1, nodes + 1)}}
-            node = subprocess.Popen(
-                cluster.cmd(ns, os.path.join(BIN, "ray"), "start",
-                            f"--address={cluster.address}", f"--node-ip-address={node_ip(i)}",
-                            f"--num-cpus={node_cpus}",
-                            f"--resources={json.dumps(resources)}", *common),
-                env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL)
-            cluster.procs.append(node)
-            # One at a time: nodes of one machine share Ray's session directory, and
-            # two that start together can collide there (one never joins).
-            _ray_nodes_alive(cluster, head_ns, 2 + i, 90)
-        yield cluster
+        yield head_ns, node_nss, head_veths
     finally:
-        for proc in reversed(cluster.procs):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 3  # a Ray node drains up to 30 s on SIGTERM: no
-        for proc in cluster.procs:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
         for ns in made:  # also removes the bridge and the veth pairs
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        shutil.rmtree(temp, ignore_errors=True)
+
+
+# The other half of the /24: hosts on a subnet the head has no address of its own in
+# (as a node an autoscaler adds in another zone).
+OTHER_SUBNET_GATEWAY = "198.51.100.129"
+
+
+def other_subnet_ip(i: int) -> str:
+    """The address of host ``i`` of :func:`other_subnet` (198.51.100.130, ...)."""
+    return f"198.51.100.{130 + i}"
+
+
+@dataclass
+class Hosts:
+    """Namespaces without Ray (:func:`other_subnet`)."""
+
+    head_ns: str
+    node_nss: list[str]
+    node_ips: list[str]
+
+    def cmd(self, ns: str, *args: str) -> list[str]:
+        return ["ip", "netns", "exec", ns, *args]
+
+
+@contextlib.contextmanager
+def other_subnet(nodes: int = 1) -> Iterator[Hosts]:
+    """A head on 198.51.100.1/25 and ``nodes`` hosts on the other /25 (198.51.100.130,
+    ... ; the head routes there through 198.51.100.129 on the same bridge): hosts
+    outside the subnet of the head's address. No Ray: the caller runs what it needs
+    with ``cmd``."""
+    if not 1 <= nodes <= 9:
+        raise ValueError(f"nodes={nodes}: 1 to 9 hosts")
+    tag = f"{os.getpid() % 100000}s"
+    ips = [other_subnet_ip(i) for i in range(nodes)]
+    with _network(tag, [f"{HEAD_IP}/25", f"{OTHER_SUBNET_GATEWAY}/25"],
+                  [f"{ip}/25" for ip in ips]) as (head_ns, node_nss, _):
+        yield Hosts(head_ns, node_nss, ips)
+
+
+@contextlib.contextmanager
+def hosts(nodes: int = 1, node_cpus: int = 2) -> Iterator[Cluster]:
+    """Build the namespaces and links, start the Ray head and ``nodes`` worker nodes;
+    tear all down after."""
+    if not 1 <= nodes <= 9:
+        raise ValueError(f"nodes={nodes}: 1 to 9 worker nodes")
+    tag = f"{os.getpid() % 100000}"
+    temp = tempfile.mkdtemp(prefix="dpexnetns")
+    port = 6379
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16),
+               DPEX_ADVERTISE_ADDRESS=HEAD_IP,
+               PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p))
+    network = _network(tag, [f"{HEAD_IP}/24"], [f"{node_ip(i)}/24" for i in range(nodes)])
+    with network as (head_ns, node_nss, head_veths):
+        cluster = Cluster(head_ns, node_nss, head_veths, f"{HEAD_IP}:{port}", env)
+        try:
+            _start_ray(cluster, temp, port, node_cpus)
+            yield cluster
+        finally:
+            _stop(cluster.procs)
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _start_ray(cluster: Cluster, temp: str, port: int, node_cpus: int) -> None:
+    """The Ray head in the head namespace, then one worker node per node namespace."""
+    common = ["--block", "--disable-usage-stats"]
+    head = subprocess.Popen(
+        cluster.cmd(cluster.head_ns, os.path.join(BIN, "ray"), "start", "--head",
+                    f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=0",
+                    "--include-dashboard=false", f"--temp-dir={temp}/head", *common),
+        env=cluster.env, start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    cluster.procs.append(head)
+    _wait_port(cluster.head_ns, HEAD_IP, port, head, 60)
+    nodes = len(cluster.node_nss)
+    for i, ns in enumerate(cluster.node_nss):
+        resources = {"prep": node_cpus, **{f"hosts{k}": 1 for k in range(i + 1, nodes + 1)}}
+        node = subprocess.Popen(
+            cluster.cmd(ns, os.path.join(BIN, "ray"), "start",
+                        f"--address={cluster.address}", f"--node-ip-address={node_ip(i)}",
+                        f"--num-cpus={node_cpus}",
+                        f"--resources={json.dumps(resources)}", *common),
+            env=cluster.env, start_new_session=True, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        cluster.procs.append(node)
+        # One at a time: nodes of one machine share Ray's session directory, and
+        # two that start together can collide there (one never joins).
+        _ray_nodes_alive(cluster, cluster.head_ns, 2 + i, 90)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in reversed(procs):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 3  # a Ray node drains up to 30 s on SIGTERM: no
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
 
 
 def main() -> None:
