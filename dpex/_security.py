@@ -10,7 +10,8 @@ and reach the workers through Ray (``WorkerSpec.keys``), never on a ZeroMQ port.
   Frames then travel unencrypted, as NCCL's, Gloo's and Ray's own object transfers do
   on a cluster network; every message's header and body still carry a MAC under a key
   that never crosses the network (``_protocol.Wire``), so a peer that learned the
-  password by watching the wire can connect but cannot forge a message.
+  password by watching the wire can connect but cannot forge a message, nor name a
+  worker's route whose handshake it did not read (``_protocol.worker_identity``).
 - ``encrypted``: ZeroMQ CURVE with per-iterator key pairs (the trainer's secret never
   leaves the trainer): every frame is encrypted and authenticated with per-connection
   nonces, so a frame captured on the wire can be neither read, replayed nor altered.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +39,7 @@ from zmq.utils import z85
 
 __all__ = ["ClientKeys", "SessionKeys", "Admission", "ControlFreshness", "ZAP_DOMAIN",
            "AUTHENTICATED", "ENCRYPTED", "wire_security", "ray_uses_tls",
-           "keep_alive", "connect_promptly"]
+           "keep_alive", "connect_promptly", "PRE_AUTH_BYTES"]
 
 ZAP_DOMAIN = "dpex"
 AUTHENTICATED = "authenticated"  # PLAIN + ZAP: a per-iterator password, frames in clear
@@ -155,8 +157,15 @@ _TTL_MAX_MS = 6_553_500  # libzmq sends the TTL in deciseconds, 16 bits
 def connect_promptly(sock: zmq.Socket) -> None:
     """A worker socket's connection attempt gives up after 5 s and is retried, instead
     of waiting out TCP's SYN back-off (a minute and more) when its first SYNs went
-    into a cut link."""
+    into a cut link. It may dial an IPv6 address (a trainer bound on one)."""
     sock.setsockopt(zmq.CONNECT_TIMEOUT, 5000)
+    sock.setsockopt(zmq.IPV6, 1)
+
+
+# What a trainer socket sends before it knows that the peer holds the credentials: the
+# ZMTP greeting (64 bytes), and in CURVE the WELCOME too (170); a handshake that went on
+# has sent more (its READY: 117 bytes in all in PLAIN, 301 in CURVE, measured).
+PRE_AUTH_BYTES = {AUTHENTICATED: 64, ENCRYPTED: 64 + 170}
 
 
 class _OnlyOurWorkers:
@@ -184,11 +193,24 @@ class _OnlyOurWorkers:
 class _Authenticator(AsyncioAuthenticator):
     """pyzmq's ZAP handler with dpex's checks for both mechanisms (pyzmq's compares
     passwords with ``==`` from a table; ours is one credential, compared in constant
-    time). A mechanism the session's sockets do not serve never reaches it."""
+    time), after the peer's address (``admits``, if given). A mechanism the session's
+    sockets do not serve never reaches it."""
 
-    def __init__(self, context: zmq.Context, check: _OnlyOurWorkers) -> None:
+    def __init__(self, context: zmq.Context, check: _OnlyOurWorkers,
+                 admits: Callable[[str], Awaitable[bool]] | None = None) -> None:
         super().__init__(context, log=_QUIET)
         self._check = check
+        self._admits = admits
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        # A request's fourth frame is the peer's address: the accepted peers may have
+        # grown since the sockets were bound (a node that joined), which no filter in
+        # libzmq can follow.
+        if self._admits is not None and len(msg) >= 6 and not await self._admits(
+                msg[3].decode(errors="replace")):
+            self._send_zap_reply(msg[1], b"400", b"Address not accepted")
+            return
+        await super().handle_zap_message(msg)
 
     def _authenticate_plain(self, domain: str, username: str,
                             password: str) -> tuple[bool, bytes]:
@@ -203,9 +225,12 @@ class _Authenticator(AsyncioAuthenticator):
 class Admission:
     """The ZAP handler of one session's context (runs on that context's asyncio loop)."""
 
-    def __init__(self, context: zmq.Context, keys: SessionKeys) -> None:
+    def __init__(self, context: zmq.Context, keys: SessionKeys,
+                 admits: Callable[[str], Awaitable[bool]] | None = None) -> None:
+        """``admits(address)``: whether a peer at that address may go on to the
+        credentials check (None: any)."""
         self._check = _OnlyOurWorkers(keys.client)
-        self._auth = _Authenticator(context, self._check)
+        self._auth = _Authenticator(context, self._check, admits)
 
     @property
     def denied(self) -> int:
