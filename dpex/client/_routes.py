@@ -1,8 +1,9 @@
 """Where the trainer's control messages go, per worker id: pure bookkeeping (no socket).
 
-A worker id's messages go to the ROUTER identity of its current incarnation; until
-that incarnation's HELLO arrives (or after its connection was lost) they are held,
-and sent in order on the HELLO. Each incarnation numbers its control messages anew
+A worker id's messages go to the ROUTER identity of its current incarnation (made
+from the session key: nobody without it can name a route); until that
+incarnation's HELLO arrives (or after its connection was lost) they are held, and
+sent in order on the HELLO. Each incarnation numbers its control messages anew
 (a replay is rejected by the worker), and the epoch's RESUME / SKIP marks go with
 every TASKS message (``_epoch_marks``).
 """
@@ -33,12 +34,13 @@ class ControlRoutes:
         self.marks = SentMarks()
 
     def identity(self, worker_id: int) -> bytes:
-        return self._identities.get(worker_id) or worker_identity(worker_id, 0)
+        return self._identities.get(worker_id) or worker_identity(
+            worker_id, 0, self.wire.key)
 
     def expect(self, worker_id: int, incarnation: int) -> None:
         """A replacement for ``worker_id`` is starting: forget its predecessor's route,
         numbering and marks and whatever was held for it; hold anew until its HELLO."""
-        self._identities[worker_id] = worker_identity(worker_id, incarnation)
+        self._identities[worker_id] = worker_identity(worker_id, incarnation, self.wire.key)
         self.ready.discard(worker_id)
         self._held.pop(worker_id, None)
         self._seq.pop(worker_id, None)
