@@ -159,10 +159,16 @@ class Envelope:
                        ready_ns=self.ready_ns)
 
 
-def worker_identity(worker_id: int, incarnation: int) -> bytes:
-    """The ZeroMQ identity of one incarnation of a worker: a replacement never
-    shares its predecessor's route."""
-    return b"w%d.%d" % (worker_id, incarnation)
+def worker_identity(worker_id: int, incarnation: int, key: bytes) -> bytes:
+    """The ZeroMQ identity of one incarnation of a worker, under the session ``key``:
+    a replacement never shares its predecessor's route, and nobody without the key
+    (which reaches the workers through Ray, never on a dpex port) can name a route in
+    advance. The trainer's ROUTER hands a route to whoever connects with its identity
+    last, so an identity anyone could name (``w0.0``) let a peer that knew the
+    authenticated mode's password take a worker's tasks."""
+    tag = hashlib.blake2b(struct.pack("<QQ", worker_id, incarnation), key=key,
+                          digest_size=12, person=b"dpex-route").hexdigest()
+    return b"w%d.%d.%s" % (worker_id, incarnation, tag.encode())
 
 
 def _nbytes(frame: Any) -> int:

@@ -46,7 +46,7 @@ def fake_worker(session):
     ctrl, data = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
     for sock in (ctrl, data):
         sock.setsockopt(zmq.LINGER, 0)
-    ctrl.setsockopt(zmq.IDENTITY, worker_identity(0, 0))
+    ctrl.setsockopt(zmq.IDENTITY, session.routes.identity(0))
     for sock in (ctrl, data):
         session.keys.client.apply(sock)
     ctrl.connect(session.control_address)
@@ -143,7 +143,7 @@ def test_hellos_arriving_while_tasks_are_sent_are_all_seen():
     def dealer(w):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.IDENTITY, worker_identity(w, 0))
+        s.setsockopt(zmq.IDENTITY, sess.routes.identity(w))
         sess.keys.client.apply(s)
         s.connect(sess.control_address)
         socks.append(s)
@@ -249,7 +249,7 @@ async def test_tasks_over_max_message_bytes_are_split_and_one_alone_too_big_is_a
     ctx = zmq.asyncio.Context()
     ctrl = ctx.socket(zmq.DEALER)
     ctrl.setsockopt(zmq.LINGER, 0)
-    ctrl.setsockopt(zmq.IDENTITY, worker_identity(0, 0))
+    ctrl.setsockopt(zmq.IDENTITY, sess.routes.identity(0))
     sess.keys.client.apply(ctrl)
     ctrl.connect(sess.control_address)
     try:
@@ -285,7 +285,7 @@ def test_routes_hold_messages_until_hello_and_a_new_incarnation_starts_afresh():
     routes.hold(3, first)
     second = routes.encode(3, Kind.TASKS, 2, [(0, [1, 2])])
     routes.hold(3, second)
-    assert 3 not in routes.ready and routes.identity(3) == worker_identity(3, 0)
+    assert 3 not in routes.ready and routes.identity(3) == worker_identity(3, 0, WIRE.key)
     held = routes.hello(3)
     assert held == [first, second] and 3 in routes.ready and routes.hello(3) == []
     assert [decoded(f).seq for f in held] == [0, 1]
@@ -296,7 +296,7 @@ def test_routes_hold_messages_until_hello_and_a_new_incarnation_starts_afresh():
     assert routes.unroutable == 1 and 3 not in routes.ready
 
     routes.expect(3, 1)  # a replacement: its predecessor's held messages are not its
-    assert routes.identity(3) == worker_identity(3, 1) and routes.hello(3) == []
+    assert routes.identity(3) == worker_identity(3, 1, WIRE.key) and routes.hello(3) == []
     fresh = decoded(routes.encode(3, Kind.TASKS, 2, [(5, [9])]))
     assert fresh.seq == 0 and fresh.payload[1] is None
 

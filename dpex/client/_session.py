@@ -32,12 +32,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from dpex._addresses import accept_from, port_range, raise_fd_limit
+from dpex._addresses import AcceptSet, accept_set, port_range, raise_fd_limit, tcp_endpoint
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire
 from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
 from dpex._transport import SOCKET, Receiver, RingTransport
 from dpex.client._events import LoopFailure, RngReply, WorkerHello, WorkerProgress
+from dpex.client._gate import ConnectionGate
 from dpex.client._routes import ControlRoutes
 from dpex.errors import ProtocolError
 
@@ -76,14 +77,15 @@ class TrainerSession:
     """Sockets, hello handling and task forwarding of one iterator. Loop thread only."""
 
     def __init__(self, wire: Wire, host: str, handoff: queue.SimpleQueue,
-                 security: str = AUTHENTICATED, accept: list[str] | None = None) -> None:
+                 security: str = AUTHENTICATED, accept: AcceptSet | None = None) -> None:
         """``accept``: the peers to accept connections from (default: see
-        :func:`~dpex._addresses.accept_from`; it asks Ray)."""
+        :func:`~dpex._addresses.accept_set`; it asks Ray)."""
         self.wire = wire
-        self.accept_from = accept_from(host) if accept is None else accept
+        self.accept = accept_set(host) if accept is None else accept
         self.host = host
         self.handoff = handoff
         self.counts = SessionCounts()
+        self.gate = ConnectionGate(self.accept, self.counts.rejected, security)
         self.rings: dict[int, TrainerRing] = {}
         self.receiver = Receiver(wire, [SOCKET, RingTransport(rings=self.rings)])
         self.routes = ControlRoutes(wire)
@@ -106,7 +108,7 @@ class TrainerSession:
         """Bind both sockets on ``host`` (random ports) and start receiving."""
         # A context of its own: its ZAP handler answers for this session's sockets only.
         self._ctx = zmq.asyncio.Context(io_threads=io_threads())
-        self._admission = Admission(self._ctx, self.keys)
+        self._admission = Admission(self._ctx, self.keys, self.gate.admits)
         self._admission.start()
         self._loop = asyncio.get_running_loop()
         # Plain sockets on the session's context (its ZAP handler admits their peers),
@@ -128,16 +130,15 @@ class TrainerSession:
         # Control traffic is bounded by the credit window, so no high-water mark can be hit
         # and a send never fails with EAGAIN (which would lose a task).
         self._ctrl.setsockopt(zmq.SNDHWM, 0)
-        # A connection from elsewhere is closed as soon as it is accepted.
+        # A connection from elsewhere is closed as soon as it is seen (the gate).
         for sock in (self._data, self._ctrl):
-            for peer in self.accept_from:
-                sock.setsockopt(zmq.TCP_ACCEPT_FILTER, peer.encode())
+            self.gate.prepare(sock)
         raise_fd_limit()
         low, high = port_range()
-        port = self._data.bind_to_random_port(f"tcp://{self.host}", low, high + 1)
-        self.data_address = f"tcp://{self.host}:{port}"
-        port = self._ctrl.bind_to_random_port(f"tcp://{self.host}", low, high + 1)
-        self.control_address = f"tcp://{self.host}:{port}"
+        port = self._data.bind_to_random_port(tcp_endpoint(self.host), low, high + 1)
+        self.data_address = tcp_endpoint(self.host, port)
+        port = self._ctrl.bind_to_random_port(tcp_endpoint(self.host), low, high + 1)
+        self.control_address = tcp_endpoint(self.host, port)
         self._loop.add_reader(self._data.FD, self._on_data)
         self._loop.add_reader(self._ctrl.FD, self._on_control)
         self._tasks = [
@@ -150,12 +151,19 @@ class TrainerSession:
         """Count the connections whose handshake failed (no or a wrong key, another
         protocol): they were dropped before libzmq read any message from them; and on the
         data socket, the admitted connections that were cut (a heartbeat timeout, a
-        worker's death; ``cuts``)."""
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
+        worker's death; ``cuts``). The gate hears of every connection accepted and ended."""
+        monitor = sock.get_monitor_socket(
+            _HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         refused = 0  # failed handshakes whose DISCONNECTED is still to come
         try:
             while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                message = parse_monitor_message(await monitor.recv_multipart())
+                event = message["event"]
+                if event == zmq.EVENT_ACCEPTED:
+                    self.gate.accepted(message["endpoint"], message["value"])
+                    continue
+                if event == zmq.EVENT_DISCONNECTED:
+                    self.gate.ended(message["value"])
                 if event & _HANDSHAKE_FAILED:
                     self.counts.rejected["handshake"] += 1
                     refused += 1
@@ -352,6 +360,7 @@ class TrainerSession:
                 sock.close(linger=0)
         for task in self._tasks:
             task.cancel()
+        self.gate.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._admission is not None:
             self._admission.stop()

@@ -169,7 +169,8 @@ class SessionServer:
         watcher: asyncio.Future | None = None
         try:
             ctrl.setsockopt(zmq.LINGER, 0)
-            ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation))
+            ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation,
+                                                          spec.wire.key))
             spec.keys.apply(ctrl)
             connect_promptly(ctrl)
             hello = {"versions": local_versions(), **self.placement,
