@@ -122,10 +122,12 @@ def _join(address: str, named: str) -> None:
 
 
 def ray_handle_reducer(obj: object) -> tuple | None:
-    """How dpex ships a Ray object ref or actor handle inside a dataset: pickled by
-    Ray itself (with its owner, so a worker can use it; the object is then kept for
-    as long as its owner lives, Ray's rule for refs pickled out of band), restored by
-    :func:`load_ray_handle`. None for anything else."""
+    """How dpex ships a Ray actor handle (or, where Ray lacks in-band pickling, an
+    object ref) inside a dataset: pickled by Ray itself (with its owner, so a worker can
+    use it; what it names is then kept for as long as its owner lives, Ray's rule for
+    handles pickled out of band), restored by :func:`load_ray_handle`. Object refs
+    normally travel in band (``client/_shipping.py``), so Ray counts their borrow.
+    None for anything else."""
     if not isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
         return None
     return load_ray_handle, (ray.cloudpickle.dumps(obj),)

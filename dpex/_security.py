@@ -9,7 +9,8 @@ and reach the workers through Ray (``WorkerSpec.keys``), never on a ZeroMQ port.
 - ``authenticated`` (the default): ZeroMQ PLAIN with a random per-iterator password.
   Frames then travel unencrypted, as NCCL's, Gloo's and Ray's own object transfers do
   on a cluster network; every message's header and body still carry a MAC under a key
-  that never crosses the network (``_protocol.Wire``), so a peer that learned the
+  that never crosses a dpex port (it reaches the workers in Ray's RPC: ``_protocol.Wire``),
+  so a peer that learned the
   password by watching the wire can connect but cannot forge a message, nor name a
   worker's route whose handshake it did not read (``_protocol.worker_identity``).
 - ``encrypted``: ZeroMQ CURVE with per-iterator key pairs (the trainer's secret never
