@@ -125,3 +125,25 @@ def test_reshard_bench_states_the_resume_and_per_sample_costs(tmp_path):
                                      for row in resumed)
     assert data["seeding"]["seed_us_per_sample"] > 0 and data["seeding"]["epoch_s_per_sample"] > 0
     assert "| 4 ranks -> 3 | 1 |" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_worker_cost_bench_sets_each_loader_beside_torch(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = tmp_path / "worker_cost.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_worker_cost.py"), "--quick",
+         "--kinds", "tensor", "strings", "--out", str(out)],
+        capture_output=True, text=True, timeout=380, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for kind in ("tensor", "strings"):
+        for loader in ("torch", "dpex"):
+            for n in (1, 2):
+                assert f"| {kind} | {n} | {loader} |" in proc.stdout, proc.stdout
+        assert re.search(rf"^\| {kind} \| -?\d+ \| -?\d+ \|", proc.stdout, re.M), proc.stdout
+    results = json.loads(out.read_text())["results"]
+    dpex = results["dpex"]["tensor"]["2"]
+    assert dpex["worker_processes"] >= 2 and dpex["workers_pss_mib"] > 0
+    assert dpex["first_batch_s"] > 0 and results["torch"]["tensor"]["2"]["first_batch_s"] > 0
+    assert (tmp_path / "worker_cost.png").stat().st_size > 5000
