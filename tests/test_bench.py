@@ -134,10 +134,10 @@ def test_worker_cost_bench_sets_each_loader_beside_torch(tmp_path):
     out = tmp_path / "worker_cost.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_worker_cost.py"), "--quick",
-         "--kinds", "tensor", "strings", "--out", str(out)],
+         "--kinds", "tensor", "--out", str(out)],
         capture_output=True, text=True, timeout=380, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for kind in ("tensor", "strings"):
+    for kind in ("tensor",):  # (one kind: each configuration starts a Ray of its own)
         for loader in ("torch", "dpex"):
             for n in (1, 2):
                 assert f"| {kind} | {n} | {loader} |" in proc.stdout, proc.stdout
