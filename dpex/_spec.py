@@ -14,7 +14,7 @@ from dpex._protocol import Wire
 from dpex._security import ClientKeys
 from dpex._shm import RingRef
 
-__all__ = ["PickledLoader", "Positioned", "ShippedLoader", "WorkerSpec", "own_state",
+__all__ = ["Parcel", "PickledLoader", "Positioned", "ShippedLoader", "WorkerSpec", "own_state",
            "stateful_dataset"]
 
 
@@ -54,10 +54,39 @@ class ShippedLoader:
     worker_init_fn: Any
 
 
-def _loader_bytes(data: Any, refs: tuple) -> bytes:
-    """A :class:`PickledLoader` as a worker gets it: its bytes. ``refs`` were there for
-    Ray to count (it registered them as it unpickled them); the pickle holds its own."""
-    return bytes(data)
+class Parcel:
+    """The pickled loader as a worker holds it until it unpickles it: taken once
+    (:meth:`take`), after which nothing here keeps its bytes. A worker's ``serve`` call
+    (and Ray, which holds the call's arguments) lives as long as its session; holding the
+    bytes there kept a dataset-sized copy in every worker for nothing.
+
+    In a worker actor the bytes are a read-only view of the object store's copy (a
+    pickle-5 buffer: zero-copy, one copy per node, shared by the node's workers); sent
+    to a session's own process they travel as ``bytes`` (pickled by value)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Any) -> None:
+        self._data = data
+
+    def take(self) -> Any:
+        """The bytes (a bytes-like object); None once taken."""
+        data, self._data = self._data, None
+        return data
+
+    def __len__(self) -> int:
+        return 0 if self._data is None else memoryview(self._data).nbytes
+
+    def __reduce__(self) -> tuple:
+        return Parcel, (None if self._data is None else bytes(self._data),)
+
+
+def _loader_bytes(data: Any, refs: tuple) -> Parcel:
+    """A :class:`PickledLoader` as a worker gets it: a :class:`Parcel` of its bytes, a
+    view of the object store's buffer when Ray hands one (no copy). ``refs`` were there
+    for Ray to count (it registered them as it unpickled them); the pickle holds its
+    own."""
+    return Parcel(memoryview(data).toreadonly() if not isinstance(data, bytes) else data)
 
 
 class PickledLoader(bytearray):

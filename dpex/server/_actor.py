@@ -11,7 +11,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from dpex._spec import WorkerSpec
+from dpex._spec import Parcel, WorkerSpec
 from dpex._version import local_versions
 from dpex.server._session import Session, SessionServer
 from dpex.server._session_process import SessionProcess, prestart
@@ -136,7 +136,7 @@ class DpexWorker:
         with self._lock:
             self._counters["control_rejected"] += 1
 
-    async def serve(self, spec: WorkerSpec, shipped: bytes) -> None:
+    async def serve(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
         """Serve one session until STOP, cancellation or silence. Raises if set-up fails
         (the worker's traffic is counted in ``fleet_stats``). A fleet's session
         (``spec.pooled``) runs in a process of its own, see
@@ -150,7 +150,7 @@ class DpexWorker:
         else:
             await self._serve_here(spec, shipped)
 
-    async def _serve_in_child(self, spec: WorkerSpec, shipped: bytes) -> None:
+    async def _serve_in_child(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
         loop = asyncio.get_running_loop()
         child = SessionProcess(SessionWorker, spec, shipped, self.placement,
                                self.session_timeout, self._ray_view)
@@ -170,7 +170,7 @@ class DpexWorker:
                     self._counters[name] += n
         child.raise_outcome()
 
-    async def _serve_here(self, spec: WorkerSpec, shipped: bytes) -> None:
+    async def _serve_here(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
         """Serve one session in this process (:class:`SessionServer`)."""
         await self._server.serve(spec, shipped)
 
@@ -193,7 +193,7 @@ class SessionWorker:
     def _count_rejected(self) -> None:
         self._counts[2] += 1  # one writer: this session's control reader
 
-    async def serve_until_told(self, spec: WorkerSpec, shipped: bytes, conn: Any) -> None:
+    async def serve_until_told(self, spec: WorkerSpec, shipped: Parcel | bytes, conn: Any) -> None:
         """Serve until the session ends, or the fleet worker says stop or dies."""
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(self._server.serve(spec, shipped))

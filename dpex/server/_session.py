@@ -36,7 +36,7 @@ from dpex._protocol import (
 )
 from dpex._security import ControlFreshness, connect_promptly
 from dpex._shm import RingUnavailable, WorkerRing
-from dpex._spec import WorkerSpec
+from dpex._spec import Parcel, WorkerSpec
 from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
 from dpex.server._task_runner import TaskRunner
@@ -142,7 +142,7 @@ class SessionServer:
         self.computes: weakref.WeakSet[threading.Thread] = (
             weakref.WeakSet() if computes is None else computes)
 
-    async def serve(self, spec: WorkerSpec, shipped: bytes) -> None:
+    async def serve(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
         """Serve one session in this process.
 
         This (asyncio) thread owns the control socket and feeds tasks to one compute
@@ -219,7 +219,7 @@ class SessionServer:
             if ring is not None and not compute.is_alive():
                 ring.close()
 
-    def _compute(self, spec: WorkerSpec, shipped: bytes, ring: WorkerRing | None,
+    def _compute(self, spec: WorkerSpec, shipped: Parcel | bytes, ring: WorkerRing | None,
                  inbox: queue.SimpleQueue, halt: threading.Event,
                  loop: asyncio.AbstractEventLoop, done: asyncio.Future,
                  session: Session) -> None:

@@ -171,7 +171,7 @@ def _preload_file(names: list[str]) -> str | None:
 class SessionProcess:
     """The fleet worker's handle on one session's child process."""
 
-    def __init__(self, worker_class: type, spec: Any, shipped: bytes, placement: dict,
+    def __init__(self, worker_class: type, spec: Any, shipped: Any, placement: dict,
                  session_timeout: float, ray_view: JobView | None = None) -> None:
         """``worker_class(placement, session_timeout, counts)`` serves the session in the
         child (the actor module's ``SessionWorker``, passed by reference: pickled by
@@ -189,6 +189,7 @@ class SessionProcess:
         self._lock = threading.Lock()  # start and stop run on executor threads
         self._stopped = False
         self._outcome: BaseException | None = None
+        self._shipped = shipped  # (a Parcel: emptied once the child has its copy)
 
     def counters(self) -> dict[str, int]:
         return dict(zip(COUNTERS, self.counts, strict=True))
@@ -201,6 +202,9 @@ class SessionProcess:
             self._proc.start()
             self._child_end.close()
             self._child_end = None
+            take = getattr(self._shipped, "take", None)
+            if take is not None:
+                take()  # the child has its own copy: this process keeps none
 
     async def wait(self, stop: asyncio.Event) -> None:
         """Until the child ends or ``stop`` is set."""
@@ -256,7 +260,7 @@ class SessionProcess:
             raise self._outcome
 
 
-def _main(worker_class: type, spec: Any, shipped: bytes, placement: dict,
+def _main(worker_class: type, spec: Any, shipped: Any, placement: dict,
           session_timeout: float, counts: Any, conn: Connection,
           ray_view: JobView | None = None,
           start_state: tuple[dict, list, str | None] | None = None) -> None:

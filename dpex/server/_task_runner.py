@@ -21,7 +21,14 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex._protocol import Kind, ProtocolError
 from dpex._shm import WorkerRing, collating_into
-from dpex._spec import Positioned, ShippedLoader, WorkerSpec, own_state, stateful_dataset
+from dpex._spec import (
+    Parcel,
+    Positioned,
+    ShippedLoader,
+    WorkerSpec,
+    own_state,
+    stateful_dataset,
+)
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
 from dpex.server._rng import (
@@ -52,7 +59,13 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
     return seed
 
 
-def _load(shipped: bytes) -> ShippedLoader:
+def _load(shipped: Any) -> ShippedLoader:
+    """The shipped loader, unpickled from bytes or from a :class:`Parcel` (taken: its
+    bytes are not kept once unpickled)."""
+    if isinstance(shipped, Parcel):
+        shipped = shipped.take()
+        if shipped is None:
+            raise WorkerStartupError("the shipped loader was unpickled once already")
     shipped = enter_trainer_state(shipped)  # the trainer's directory and env first
     try:
         return cloudpickle.loads(shipped)
@@ -77,7 +90,7 @@ class TaskRunner:
     worker has no fetcher until the next epoch.
     """
 
-    def __init__(self, spec: WorkerSpec, shipped: bytes, node: str = "?",
+    def __init__(self, spec: WorkerSpec, shipped: Any, node: str = "?",
                  ring: WorkerRing | None = None, transport: Transport | None = None) -> None:
         """``ring``: the trainer's shared-memory ring when this worker shares its node
         (batches are collated into it and travel through it); ``transport``: how
