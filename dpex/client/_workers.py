@@ -213,22 +213,26 @@ class WorkerGroup:
             pass  # already gone
 
     def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
-        """Replace the actor of ``spec.worker_id`` (killing the old one if it lingers)."""
+        """Replace worker ``spec.worker_id`` (killing its old actor if it lingers): as
+        an added worker starts (:meth:`add`), a session forked on a live actor of this
+        group on the node spreading picks (milliseconds plus the dataset's own work),
+        else a new actor (seconds). A dead actor's guests come back through their own
+        exits."""
         if self._stopped:
             return
         if spec.worker_id in self._guests:  # a guest: its host (if alive) serves on
             self._end_guest(spec.worker_id)
             self.add(spec, shipped)
             return
-        old = self.actors.get(spec.worker_id)
+        old = self.actors.pop(spec.worker_id, None)
+        self.nodes.pop(spec.worker_id, None)
+        self._calls.pop(spec.worker_id, None)
         if old is not None:
             try:
                 ray.kill(old, no_restart=True)
             except Exception:
                 pass  # already gone
-        self.nodes.pop(spec.worker_id, None)
-        node = _nodes_for(1)[0] if not self.reserving else None
-        self._start_one(spec, shipped, node)
+        self.add(spec, shipped)
 
     def kill(self, worker_id: int) -> None:
         """End a worker presumed broken; Ray reports its exit (and the iterator replaces it)."""
