@@ -317,3 +317,32 @@ def test_both_worker_groups_and_the_in_memory_one_have_what_the_driver_asks_for(
     for group in (_workers.WorkerGroup, _workers.FleetGroup, Workers):
         methods = {n for n in asked if callable(getattr(_runtime.Workers, n, None))}
         assert methods <= set(dir(group)), (group, methods - set(dir(group)))
+
+
+class _Done:
+    """A finished ``serve`` call's future, as Ray hands it to its done-callbacks."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("guest, error, lost", [
+    (True, "actor", True),  # its host actor died: not the guest's own death
+    (True, "task", False),  # its own session process died (the actor raised)
+    (False, "actor", False),  # an actor of its own: its own death
+])
+def test_a_guest_lost_with_its_host_is_moved_not_charged_a_restart(guest, error, lost):
+    import ray
+
+    from dpex.client._workers import _report_exit
+
+    exc = (ray.exceptions.ActorDiedError() if error == "actor"
+           else ray.exceptions.RayTaskError("serve", "traceback", RuntimeError("killed")))
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    _report_exit(events, 2, 1, guest=guest)(_Done(exc))
+    exit_ = events.get_nowait()
+    assert (exit_.worker_id, exit_.incarnation, exit_.host_lost) == (2, 1, lost)

@@ -86,7 +86,10 @@ def test_two_workers_killed_at_once():
     loader = DpexDataLoader(dataset, distribute_mode=True, timeout=60, **kw)
     got, stats = run_with_kills(loader, kill_at=3, victims=[0, 2])
     assert_same(expected, got, "epoch")
-    assert stats["dropped"].get("restarted") == 2, stats
+    # Two deaths; a replacement forked on a victim before its death was known is lost
+    # with it and comes back once more, moved (not a death of its own: no restart spent).
+    dropped = stats["dropped"]
+    assert dropped.get("restarted", 0) - dropped.get("moved", 0) == 2, stats
 
 
 def test_past_max_worker_restarts_the_error_names_the_worker_and_node():
@@ -99,7 +102,9 @@ def test_past_max_worker_restarts_the_error_names_the_worker_and_node():
         # (worker 0 goes on with the epoch meanwhile: wait for the replacement to kill it)
         while not (it.stats()["dropped"].get("restarted") == 1 and len(it._ready) == 2):
             it._driver.receive_one()
-        kill(it._ready[1]["pid"])
+        # (its own process: a replacement runs as a session forked on worker 0's
+        # actor, whose death would be worker 0's, its guests moved uncharged)
+        kill(it._ready[1].get("session_pid", it._ready[1]["pid"]))
         for _ in it:
             pass
     msg = str(err.value)

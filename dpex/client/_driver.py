@@ -342,8 +342,9 @@ class EpochDriver:
                 exit_.error is None and fleet),
             cause=type(cause).__name__ if exit_.error is not None else "session ended",
             at=exit_.at,
-            # A fleet worker ended the session cleanly (removed by `dpex fleet scale`).
-            moved=exit_.error is None and fleet)
+            # A fleet worker ended the session cleanly (removed by `dpex fleet scale`), or
+            # a guest session's host actor died: moved, not a death of its own.
+            moved=(exit_.error is None and fleet) or exit_.host_lost)
         fatal = next((a for a in actions if isinstance(a, Fatal)), None)
         if fatal is None:
             try:

@@ -24,6 +24,7 @@ class WorkerExit:
     error: BaseException | None
     incarnation: int = 0
     at: float = field(default_factory=time.monotonic)  # when Ray reported it
+    host_lost: bool = False  # a guest session whose host actor died (not its own fault)
 
 
 @dataclass(frozen=True)

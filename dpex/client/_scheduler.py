@@ -450,8 +450,9 @@ class EpochScheduler:
                unplaced: bool = False, cause: str = "?", at: float | None = None,
                moved: bool = False) -> list[Any]:
         """A worker's actor ended (its ``serve`` call returned or failed); ``moved``: its
-        fleet worker ended the session (``dpex fleet scale`` removed it), which is
-        replaced without counting against ``max_restarts``."""
+        fleet worker ended the session (``dpex fleet scale`` removed it), or the actor a
+        session was a guest on died, which is replaced without counting against
+        ``max_restarts``."""
         rec = self.workers[worker_id]
         if incarnation != rec.incarnation or rec.gone:
             return []  # a predecessor, replaced already; or a retired worker, stopped
@@ -465,6 +466,7 @@ class EpochScheduler:
             return self._actions()
         if moved:
             rec.moves += 1
+            self.counters["moved"] += 1
         decision = recovery(rec, startup_error=startup_error, unplaced=unplaced,
                             max_restarts=self.max_restarts)
         if decision is not Recovery.RESTART:

@@ -62,13 +62,18 @@ def holders() -> str:
     return "\n".join(lines) or "  (none in this process)"
 
 
-def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int) -> Any:
-    """A done-callback for a ``serve`` call: its end (clean or not) as a WorkerExit."""
+def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int,
+                 guest: bool = False) -> Any:
+    """A done-callback for a ``serve`` call: its end (clean or not) as a WorkerExit. A
+    guest's session runs in a process of its own, whose death fails the call with the
+    actor's error; the actor's own death (``RayActorError``) is its host's: the guest
+    was lost with it (``host_lost``), not by a fault of its own."""
     def report(fut: Any) -> None:
         try:
             fut.result()
         except BaseException as exc:
-            events.put(WorkerExit(worker_id, exc, incarnation))
+            events.put(WorkerExit(worker_id, exc, incarnation, host_lost=guest and isinstance(
+                exc, ray.exceptions.RayActorError)))
         else:
             events.put(WorkerExit(worker_id, None, incarnation))
     return report
@@ -138,7 +143,7 @@ class WorkerGroup:
         self._serve(actor, spec, shipped, node)
 
     def _serve(self, actor: Any, spec: WorkerSpec, shipped: ray.ObjectRef,
-               node: str | None) -> None:
+               node: str | None, guest: bool = False) -> None:
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
         ref = actor.serve.remote(spec, shipped)
@@ -146,7 +151,7 @@ class WorkerGroup:
         # Ray fails this reference as soon as the actor dies (process killed, node
         # lost): liveness without polling.
         ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
-                                                    spec.incarnation))
+                                                    spec.incarnation, guest))
 
     def add(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
         """Start one more worker (a new id) on the node spreading picks: as a session of
@@ -165,7 +170,7 @@ class WorkerGroup:
         self._guests[spec.worker_id] = host
         self.warm.add(spec.worker_id)
         self._serve(self.actors[host], dataclasses.replace(spec, pooled=True), shipped,
-                    self.nodes.get(host))
+                    self.nodes.get(host), guest=True)
 
     def _end_guest(self, worker_id: int) -> None:
         """End a guest's session (its host actor serves on)."""
