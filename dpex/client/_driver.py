@@ -376,19 +376,8 @@ class EpochDriver:
 
     def _kill(self, kill: KillWorker) -> None:
         """Kill a worker dpex presumes broken (it is replaced), and say so."""
-        if kill.why == "lost":
-            logger.warning("%s: batch %s of its IterableDataset shard was lost on the way; "
-                           "killing it so that a replacement redoes its shard from there",
-                           self._worker_named(kill.worker_id), kill.seq)
-        elif kill.why == "computing":
-            logger.warning("%s: killed as hung after %.0f s computing batch %s, over "
-                           "hung_batch_timeout=%s; its tasks go to a replacement",
-                           self._worker_named(kill.worker_id), kill.seconds, kill.seq,
-                           self.sched.losses.hung_limit)
-        else:
-            logger.warning("%s: killed as hung after %.0f s without a sign of life (no "
-                           "result, no progress report) while it held tasks",
-                           self._worker_named(kill.worker_id), kill.seconds)
+        logger.warning("%s: %s; it is replaced", self._worker_named(kill.worker_id),
+                       kill.reason())
         self.runtime.workers.kill(kill.worker_id)
 
     def _check_placement(self) -> None:

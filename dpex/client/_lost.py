@@ -62,7 +62,6 @@ class LossWatch:
         # Each worker's last PROGRESS: (seq, seconds on it, when it came).
         self._working: dict[int, tuple[int | None, float, float]] = {}
         self._passed: dict[int, float] = {}  # seq -> when its worker was seen past it
-        self._overdue: set[int] = set()  # workers named overdue (once per incarnation)
 
     def new_epoch(self) -> None:
         self._order.clear()
@@ -91,7 +90,6 @@ class LossWatch:
         self._past_first.discard(worker_id)
         self._flagged.pop(worker_id, None)
         self._working.pop(worker_id, None)
-        self._overdue.discard(worker_id)
 
     def batch_time(self, worker_id: int, seq: int, now: float) -> float | None:
         """How long ``worker_id`` took for ``seq``, arriving ``now``: from when it could
@@ -168,17 +166,16 @@ class LossWatch:
     def overdue(self, busy: Iterable[int]) -> list[tuple[int, int, float]]:
         """Workers of ``busy`` (holding tasks) whose PROGRESS shows one batch (or the
         loading before its first) worked on longer than ``hung_limit``: (worker, its
-        seq, seconds). Each is named once per incarnation."""
+        seq, seconds), at every check until it is replaced (the scheduler kills once)."""
         if not self.hung_limit:
             return []
         now, out = self.clock(), []
         for w in busy:
             seq, working_s, at = self._working.get(w, (IDLE, 0.0, now))
-            if seq == IDLE or w in self._overdue or w in self._flagged:
+            if seq == IDLE or w in self._flagged:
                 continue
             working = working_s + (now - at)
             if working > self.hung_limit:
-                self._overdue.add(w)
                 out.append((w, -1 if seq is None else seq, working))
         return out
 

@@ -60,16 +60,17 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dpex._protocol import Kind, Message
+from dpex.client._kills import MAX_HANGS_PER_BATCH, KillBudget, KillWorker
 from dpex.client._ledger import TaskLedger
 from dpex.client._lost import IDLE, LossWatch
 from dpex.client._ordering import OrderingBuffer
 from dpex.client._worker_table import Recovery, WorkerTable, recovery
 
-__all__ = ["EpochScheduler", "SendTasks", "Control", "StartReplacement", "KillWorker", "Fatal",
+__all__ = ["EpochScheduler", "MAX_HANGS_PER_BATCH", "SendTasks", "Control", "StartReplacement", "KillWorker", "Fatal",
            "StartWorker", "StopWorker", "EPOCH_END"]
 
 EPOCH_END = object()  # what take() returns once the epoch has nothing more
@@ -112,29 +113,11 @@ class StopWorker:
 
 
 @dataclass(frozen=True)
-class KillWorker:
-    """End a worker presumed broken; its exit comes back as ``exited``. ``why``:
-    "silent" (hung: no sign of life), "computing" (hung: on batch ``seq`` past
-    ``hung_timeout``) or "lost" (an IterableDataset's batch ``seq`` lost: only a
-    replacement can redo its shard); ``seconds``: the silence, or the batch's time."""
-    worker_id: int
-    why: str = field(default="silent", compare=False)  # (what the warning says)
-    seq: int | None = field(default=None, compare=False)
-    seconds: float = field(default=0.0, compare=False)
-
-
-@dataclass(frozen=True)
 class Fatal:
     worker_id: int
     startup: bool  # it never started (or cannot): WorkerStartupError, else WorkerDiedError
     hung: str = ""  # dpex's own kills are spent: why (WorkerHungError)
 
-
-# dpex's own kills (hung, or an IterableDataset batch lost) have a budget of their own,
-# apart from ``max_worker_restarts`` (deaths): per worker id per iterator, and per batch
-# that computed too long (a batch that hangs wherever it runs).
-MAX_KILLS_PER_WORKER = 3
-MAX_HANGS_PER_BATCH = 2
 
 
 # -- the scheduler -----------------------------------------------------------------------
@@ -157,7 +140,7 @@ class EpochScheduler:
         self.buffer = OrderingBuffer(in_order)
         self.losses = LossWatch(num_workers, lost_timeout, lost_floor, clock,
                                 first_limit=first_batch_timeout, hung_limit=hung_timeout)
-        self._hangs: collections.Counter[int] = collections.Counter()  # seq -> overdue kills
+        self.kill_budget = KillBudget()
         self.counters: collections.Counter[str] = collections.Counter()
         self.recoveries: list[dict] = []  # one per restart: when reported, when ready
         self.epoch = 0
@@ -214,7 +197,7 @@ class EpochScheduler:
         self.buffer.reset()
         self.ledger.reset()
         self.losses.new_epoch()
-        self._hangs.clear()
+        self.kill_budget.new_epoch()
         self.workers.new_epoch()
         self._turn = first_worker % len(self.workers)
         self._unsent = {}
@@ -369,7 +352,7 @@ class EpochScheduler:
 
     def _result(self, msg: Message) -> None:
         owner = self.ledger.worker_of(msg.seq)
-        if msg.worker_id < len(self.workers):
+        if msg.worker_id < len(self.workers) and self.workers[msg.worker_id].suspended:
             self._heard(msg.worker_id, msg.incarnation)  # (late and stale ones too)
         if msg.epoch != self.epoch or owner is None:
             self.counters["stale"] += 1
@@ -405,28 +388,25 @@ class EpochScheduler:
         if not self.buffer.put(msg.seq, msg):
             self.counters["stale"] += 1
 
-    def _heard(self, worker_id: int, incarnation: int) -> None:
+    def _heard(self, worker_id: int, incarnation: int) -> bool:
         """Any authenticated message of ``worker_id``'s current incarnation (a late copy
         of a batch another worker delivered, a PROGRESS): it answers, so it is not hung
-        and, if it was suspended, takes tasks again."""
+        and, if it was suspended, takes tasks again. False for another incarnation's."""
         rec = self.workers[worker_id]
         if incarnation != rec.incarnation or rec.gone:
-            return
+            return False
         self.losses.heard(worker_id)
         if rec.suspended:
             rec.suspended = False
             self.counters["unsuspended"] += 1
+        return True
 
     def progress(self, worker_id: int, incarnation: int, epoch: int, seq: int,
                  working_s: float, queued: int = 0, at: float | None = None) -> list[Any]:
         """A PROGRESS of ``worker_id``: its compute thread works on ``seq`` of ``epoch``
         (or is IDLE, or LOADING) for ``working_s`` seconds, ``queued`` items waiting."""
-        if worker_id >= len(self.workers):
+        if worker_id >= len(self.workers) or not self._heard(worker_id, incarnation):
             return []
-        rec = self.workers[worker_id]
-        if incarnation != rec.incarnation or rec.gone:
-            return []
-        self._heard(worker_id, incarnation)
         holds = [s for s, _ in self.ledger.outstanding(worker_id)] if self.ledger.pending(
             worker_id) else []
         if (epoch != self.epoch and seq >= 0) or (seq == IDLE and queued):
@@ -599,37 +579,27 @@ class EpochScheduler:
             self.counters["lost"] += len(tasks)
             self._recompute(w, tasks, avoid=set(silent))
         for w, seq, working in self.losses.overdue(busy):
-            self._hangs[seq] += seq >= 0
-            self._kill(w, "computing", seq, working)
+            self._kill(KillWorker(w, "computing", seq, working))
         for w, silence in self.losses.hung():
             rec = self.workers[w]
             if self.iterable or not rec.suspended or rec.gone:
                 continue  # (an IterableDataset's silent worker was killed at once)
-            self._kill(w, "silent", None, silence)
+            self._kill(KillWorker(w, "silent", None, silence))
         self._stop_drained()
         return self._actions()
 
-    def _kill(self, w: int, why: str, seq: int | None, seconds: float) -> None:
-        """dpex kills worker ``w`` (its exit comes back and it is replaced, apart from
-        ``max_restarts``), or gives up once its kills or the batch's hangs are spent."""
-        rec = self.workers[w]
+    def _kill(self, kill: KillWorker) -> None:
+        """dpex kills a worker (its exit comes back and it is replaced, apart from
+        ``max_restarts``), or gives up once its budget is spent (:mod:`._kills`)."""
+        rec = self.workers[kill.worker_id]
         if rec.killed:
             return  # on its way out already
+        spent = self.kill_budget.spend(kill, rec.kills)
         rec.kills += 1
         rec.killed = True
-        self.counters["replaced_for_lost" if why == "lost" else "replaced_hung"] += 1
-        batch_spent = why == "computing" and self._hangs[seq] >= MAX_HANGS_PER_BATCH
-        if rec.kills > MAX_KILLS_PER_WORKER or batch_spent:
-            what = {"computing": f"killed as hung after {seconds:.0f} s computing batch {seq} "
-                                 "(hung_batch_timeout)",
-                    "silent": f"killed as hung after {seconds:.0f} s without a sign of life",
-                    "lost": f"killed for a lost batch ({seq}) of its shard"}[why]
-            spent = (f"batch {seq} hung {self._hangs[seq]} times, on each worker it ran on"
-                     if batch_spent else f"dpex killed worker {w} {rec.kills - 1} times "
-                     f"before, the most it does ({MAX_KILLS_PER_WORKER})")
-            self._out.append(Fatal(w, startup=False, hung=f"{what}; {spent}"))
-            return
-        self._out.append(KillWorker(w, why, seq, seconds))
+        self.counters["replaced_for_lost" if kill.why == "lost" else "replaced_hung"] += 1
+        self._out.append(kill if spent is None else
+                         Fatal(kill.worker_id, startup=False, hung=spent))
 
     def _recompute(self, w: int, tasks: list[tuple[int, Any]],
                    avoid: set[int] = frozenset()) -> None:
@@ -638,7 +608,7 @@ class EpochScheduler:
         replacement of ``w`` (only it can produce the rest of its shard), which starts
         after what ``w`` delivered."""
         if self.iterable:
-            self._kill(w, "lost", min(seq for seq, _ in tasks) if tasks else None, 0.0)
+            self._kill(KillWorker(w, "lost", min(seq for seq, _ in tasks) if tasks else None))
             return
         self._hand_over(w, tasks, keep_owner_if_alone=True, avoid=avoid)
 
