@@ -69,6 +69,10 @@ class Parcel:
     def __init__(self, data: Any) -> None:
         self._data = data
 
+    def view(self) -> Any:
+        """The bytes, not taken (None once taken)."""
+        return self._data
+
     def take(self) -> Any:
         """The bytes (a bytes-like object); None once taken."""
         data, self._data = self._data, None
@@ -146,3 +150,6 @@ class WorkerSpec:
     # worker_seeding="per_sample": the seed every sample's is made from (tasks come as
     # Positioned); None: not seeded per sample.
     sample_seed: int | None = None
+    # Which shipped loader this is (its object ref's id): a host's sessions of the same
+    # one fork from one process that holds it unpickled (dpex.server._fork_base).
+    shipment: str | None = None

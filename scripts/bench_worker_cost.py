@@ -30,7 +30,10 @@ batches, sampled ``--samples`` times, the largest figure kept):
   level before ``iter()``;
 - **Shmem +MiB**: the node's shared memory (``Shmem``) above its level before
   ``iter()``: dpex's shipped dataset in Ray's object store and its rings;
-- **first batch s**: ``iter()`` to the first batch of the process's first iterator.
+- **first batch s**: ``iter()`` to the first batch of the process's first iterator,
+  ``--setup`` seconds (default 5: the trainer's own set-up, a model and an optimizer)
+  after the loader was built (dpex starts its worker hosts when the loader is built
+  with Ray running). Memory is read from before the loader is built.
 
 Then, per loader and dataset: node memory per added worker, (node MiB at the most
 workers - node MiB at the fewest) / (the difference in workers), and the same for
@@ -196,7 +199,7 @@ def worker_pids(loader_name: str, it) -> set[int]:
 
 
 def run_one(loader_name: str, kind: str, workers: int, mib: int, batches: int,
-            samples: int) -> dict:
+            samples: int, setup_s: float) -> dict:
     from torch.utils.data import DataLoader
 
     out: dict = {"loader": loader_name, "kind": kind, "workers": workers}
@@ -213,19 +216,26 @@ def run_one(loader_name: str, kind: str, workers: int, mib: int, batches: int,
     # In order: a shuffle's index list (torch.randperm(n).tolist(), 36 bytes an item)
     # would be the sampler's, in the trainer, the same for both loaders.
     kw = dict(batch_size=BATCH, num_workers=workers, persistent_workers=True)
+    gc.collect()
+    settle(15.0)  # (Ray's own processes, started above, finish starting)
+    me = os.getpid()
+    # Before the loader is built: dpex starts its worker hosts then (Ray running), and
+    # what they hold is the loader's.
+    avail0, shmem0, trainer0 = meminfo_mib("MemAvailable"), meminfo_mib("Shmem"), status_mib()
+    tree0 = descendants({me})  # the trainer and its children (dpex: Ray's own processes)
+    out["tree_before"] = {"processes": len(tree0) - 1,
+                          "pss_mib": sum(smaps_mib(p)["pss"] for p in tree0)}
+    t = time.perf_counter()
     if loader_name == "torch":
         loader = DataLoader(dataset, **kw)
     else:
         from dpex import DpexDataLoader
 
         loader = DpexDataLoader(dataset, distribute_mode=True, **kw)
-    gc.collect()
-    settle(15.0)  # (Ray's own processes, started above, finish starting)
-    me = os.getpid()
-    avail0, shmem0, trainer0 = meminfo_mib("MemAvailable"), meminfo_mib("Shmem"), status_mib()
-    tree0 = descendants({me})  # the trainer and its children (dpex: Ray's own processes)
-    out["tree_before"] = {"processes": len(tree0) - 1,
-                          "pss_mib": sum(smaps_mib(p)["pss"] for p in tree0)}
+    out["build_s"] = time.perf_counter() - t
+    # The trainer's own set-up between building its loader and iterating (a model,
+    # an optimizer): dpex's hosts start meanwhile.
+    time.sleep(setup_s)
     t = time.perf_counter()
     it = iter(loader)
     next(it)
@@ -281,7 +291,7 @@ def spawn(loader_name: str, kind: str, workers: int, args: argparse.Namespace) -
     env.setdefault("PYTHONPATH", ROOT)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", loader_name, kind,
            str(workers), "--mib", str(args.mib), "--batches", str(args.batches),
-           "--samples", str(args.samples)]
+           "--samples", str(args.samples), "--setup", str(args.setup)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
     try:
@@ -416,6 +426,9 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=40, help="batches before the readings")
     p.add_argument("--samples", type=int, default=5, help="readings, 0.5 s apart")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
+    p.add_argument("--setup", type=float, default=5.0,
+                   help="seconds between building the loader and iter() (the trainer's "
+                        "own set-up: a model, an optimizer; 0: iterate at once)")
     p.add_argument("--quick", action="store_true",
                    help="16 MiB, 1 and 2 workers, 8 batches, 3 readings (a smoke run)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "worker_cost.json"),
@@ -425,7 +438,8 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         name, kind, n = args.child
-        result = run_one(name, kind, int(n), args.mib, args.batches, args.samples)
+        result = run_one(name, kind, int(n), args.mib, args.batches, args.samples,
+                         args.setup)
         print("RESULT " + json.dumps(result), flush=True)
         return
     if args.quick:
@@ -451,7 +465,8 @@ def main() -> None:
     loads = [r["load_1min"] for name in LOADERS for kind in args.kinds
              for r in results[name][kind].values()]
     print(f"{args.mib} MiB dataset, batch {BATCH}, persistent workers, {args.batches} "
-          f"batches; {platform.node() or 'this host'}, {os.cpu_count()} cores, load average "
+          f"batches, {args.setup:g} s between building the loader and iter(); "
+          f"{platform.node() or 'this host'}, {os.cpu_count()} cores, load average "
           f"(1 min) at the first batches {min(loads):.1f}-{max(loads):.1f}\n")
     print(tables(results, args.kinds, counts))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -49,9 +49,11 @@ def measure(scenario: str, workers: int, batches: int) -> dict:
     try:
         for _ in loader:  # warm-up epoch
             pass
-        pids = [w["pid"] for w in loader.stats()["workers"].values()]
         it = iter(loader)
         next(it)
+        # Each worker's process (a session forked on its host) and the host's own.
+        pids = {p for w in loader.stats()["workers"].values()
+                for p in (w["pid"], w.get("session_pid")) if p}
         w0, c0, t0 = sum(map(_cpu_seconds, pids)), time.process_time(), time.perf_counter()
         n, nbytes = 0, 0
         for batch in it:

@@ -306,6 +306,25 @@ def wait_gone(pids, limit: float = 10.0) -> list[int]:
     return pids_alive(pids)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (its children, theirs, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            parents.setdefault(ppid, []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def pids_alive(pids) -> list[int]:
     alive = []
     for pid in pids:

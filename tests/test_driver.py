@@ -343,6 +343,8 @@ def test_a_guest_lost_with_its_host_is_moved_not_charged_a_restart(guest, error,
     exc = (ray.exceptions.ActorDiedError() if error == "actor"
            else ray.exceptions.RayTaskError("serve", "traceback", RuntimeError("killed")))
     events: queue.SimpleQueue = queue.SimpleQueue()
-    _report_exit(events, 2, 1, guest=guest)(_Done(exc))
+    told: list = []
+    _report_exit(events, 2, 1, (lambda: told.append(1)) if guest else None)(_Done(exc))
     exit_ = events.get_nowait()
     assert (exit_.worker_id, exit_.incarnation, exit_.host_lost) == (2, 1, lost)
+    assert told == ([1] if lost else [])  # the group hears its host died

@@ -122,7 +122,8 @@ held = [next(it) for _ in range(8)]  # batches that live in the shared-memory ri
 while len(it._ready) < 2:
     it._driver.receive_one()
 assert loader.stats()["received_in_ring"] >= 8, loader.stats()
-print("PIDS", *[info["pid"] for info in it._ready.values()], flush=True)
+hosts = {info["pid"] for info in it._ready.values()}
+print("PIDS", *[info["session_pid"] for info in it._ready.values()], *hosts, flush=True)
 time.sleep(600)
 """
 
@@ -158,9 +159,9 @@ def test_a_killed_trainer_leaves_no_worker_and_no_shared_memory_behind(ray_sessi
         while not line.startswith("PIDS") and time.monotonic() < deadline:
             if select.select([proc.stdout], [], [], 1.0)[0]:
                 line = proc.stdout.readline() or line
-        pids = [int(p) for p in line.split()[1:]]
-        assert len(pids) == 2 and dsets.pids_alive(pids) == pids, f"trainer said {line!r}"
-        assert set(pids) | {proc.pid} <= set(_ring_mappers(proc.pid))  # the rings were in use
+        pids = [int(p) for p in line.split()[1:]]  # the two sessions' processes, the host
+        assert len(pids) == 3 and dsets.pids_alive(pids) == pids, f"trainer said {line!r}"
+        assert set(pids[:2]) | {proc.pid} <= set(_ring_mappers(proc.pid))  # rings in use
     finally:
         proc.kill()
         proc.wait(10)

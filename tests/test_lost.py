@@ -110,19 +110,19 @@ def test_an_iterable_shard_with_a_lost_batch_is_resumed_by_a_replacement_exactly
 
 def test_a_dead_workers_tasks_go_to_the_survivors_before_its_replacement_is_up():
     """The epoch's remaining batches need no replacement: they come from worker 0 while
-    worker 1's replacement is still starting (a new actor, seconds here: without warm
-    workers a replacement cannot be forked on a live one)."""
+    worker 1's replacement is still starting (a new actor, seconds here: a worker that
+    reserves CPUs is an actor of its own, not a session forked on a host)."""
     kw = {"batch_size": 2, "shuffle": True, "num_workers": 2}
     dataset = dsets.Squares(40, max_sleep=0.002)
     torch.manual_seed(4)
     expected = list(dsets.torch_loader(dataset, **kw))
     torch.manual_seed(4)
     it = iter(DpexDataLoader(dataset, distribute_mode=True, timeout=60,
-                             warm_worker_timeout=0, **kw))
+                             ray_remote_args={"num_cpus": 0.01}, **kw))
     got = [next(it) for _ in range(3)]
     while len(it._ready) < 2:
         it._driver.receive_one()
-    info = it._ready[1]  # the process that computes its batches (a warm worker's session's)
+    info = it._ready[1]  # the process that computes its batches
     os.kill(info.get("session_pid", info["pid"]), signal.SIGKILL)
     got += list(it)
     done = time.monotonic()
@@ -134,8 +134,8 @@ def test_a_dead_workers_tasks_go_to_the_survivors_before_its_replacement_is_up()
 
 
 def test_a_replacement_is_forked_on_a_live_worker_of_its_loader():
-    """Issue 40, a first step: a dead worker's replacement starts as a session forked on
-    the surviving worker's process (as an added worker does), not as a new actor."""
+    """Issue 40: a dead worker's replacement starts as a session forked on its node's
+    host (as an added worker does), not as a new actor."""
     kw = {"batch_size": 2, "shuffle": False, "num_workers": 2}
     dataset = dsets.Squares(400, max_sleep=0.03)  # (the epoch outlasts the forkserver's start)
     expected = list(dsets.torch_loader(dataset, **kw))
@@ -151,5 +151,6 @@ def test_a_replacement_is_forked_on_a_live_worker_of_its_loader():
     stats = it.stats()
     assert stats["dropped"]["restarted"] == 1, stats
     replacement = stats["workers"][1]
-    # (the survivor's actor process, and a session process of its own forked there)
+    # (the host's process, and a session process of its own forked there)
     assert replacement["pid"] == survivor and "session_pid" in replacement, stats["workers"]
+    assert replacement["session_pid"] != info["session_pid"]

@@ -84,7 +84,7 @@ def test_the_exit_hook_starts_no_ray_after_shutdown(monkeypatch):
     fake = FakeRay(monkeypatch)
     pool = _warm.WarmPool()
     pool._idle.append(_warm._Entry(fake.actor(), "key", None, 60.0, job=fake.job))
-    pool._returning.append(_warm._Entry(fake.actor(), "key", None, 60.0, ref="ref",
+    pool._returning.append(_warm._Entry(fake.actor(), "key", None, 60.0, refs=["ref"],
                                         job=fake.job))
     monkeypatch.setattr(_warm, "POOL", pool)
     fake.up = False  # the user's ray.shutdown()

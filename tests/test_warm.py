@@ -144,7 +144,7 @@ def test_idle_workers_end_after_their_timeout_and_on_release():
     list(loader)
     pids = worker_pids(loader)
     assert POOL.wait_settled(20) and pids_alive(pids) == pids
-    assert dpex.release_warm_workers() >= 2
+    assert dpex.release_warm_workers() >= 1  # one host per node, whatever num_workers
     assert wait_gone(pids) == []
 
 
@@ -180,11 +180,15 @@ def test_warm_workers_end_with_their_trainer(tmp_path):
                                 distribute_mode=True, warm_worker_timeout=600)
         list(loader)
         POOL.wait_settled(30)
-        pids = [w["pid"] for w in loader.stats()["workers"].values()]
+        hosts = {w["pid"] for w in loader.stats()["workers"].values()}
+        sys.path.insert(0, sys.argv[1])
+        from dsets import descendants  # the host's forkserver, fork base, ...
+        pids = sorted(hosts) + [p for h in hosts for p in descendants(h)]
         print("PIDS", *pids, "IDLE", POOL.idle_count(), flush=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", script, os.path.dirname(__file__)],
+                            stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "RAY_ADDRESS": ""})
     try:
         line = ""
@@ -193,7 +197,7 @@ def test_warm_workers_end_with_their_trainer(tmp_path):
             line = proc.stdout.readline()
         words = line.split()
         pids = [int(p) for p in words[1:words.index("IDLE")]]
-        assert len(pids) == 2 and words[-1] == "2"
+        assert len(pids) >= 3 and words[-1] == "1"  # a host, its forkserver, a fork base
         assert pids_alive(pids) == pids
     finally:
         proc.kill()  # SIGKILL: no atexit, no clean-up of its own

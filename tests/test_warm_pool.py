@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
+from dpex._spec import WorkerSpec
 from dpex.client import _warm, _workers
 
 
@@ -23,7 +24,7 @@ def test_a_returning_worker_is_kept_once_its_session_ended(monkeypatch):
     stub_ray(monkeypatch, lambda refs, num_returns=1, timeout=None: (list(refs), []))
     pool = _warm.WarmPool()
     actor = object()
-    pool.give_back(actor, object(), "key", None, 60)
+    pool.give_back(actor, [object()], "key", None, 60)
     assert pool.wait_settled(5) and pool.idle_count() == 1
     assert pool.take("other", None) is None and pool.take("key", None) is actor
     assert pool.release() == 0
@@ -40,7 +41,7 @@ def test_the_pool_thread_outlives_a_failing_ray_call(monkeypatch):
 
     stub_ray(monkeypatch, flaky_wait)
     pool = _warm.WarmPool()
-    pool.give_back(object(), object(), "key", None, 60)
+    pool.give_back(object(), [object()], "key", None, 60)
     assert pool.wait_settled(5) and pool.idle_count() == 1  # checked on the next round
     assert pool.release() == 1
 
@@ -49,7 +50,7 @@ def test_take_without_waiting_passes_over_a_returning_worker(monkeypatch):
     stub_ray(monkeypatch, lambda refs, num_returns=1, timeout=None: ([], list(refs)))
     monkeypatch.setattr(_warm, "_CHECK_S", 60.0)  # (it stays returning meanwhile)
     pool = _warm.WarmPool()
-    pool.give_back(object(), object(), "key", None, 60)
+    pool.give_back(object(), [object()], "key", None, 60)
     started = time.monotonic()
     assert pool.take("key", None, wait=False) is None
     assert time.monotonic() - started < 0.5
@@ -79,12 +80,13 @@ class FakeActorClass:
     def remote(cls, **kwargs):
         cls.started += 1
         ref = SimpleNamespace(future=lambda: SimpleNamespace(add_done_callback=lambda cb: None))
-        return SimpleNamespace(serve=SimpleNamespace(remote=lambda spec, shipped: ref))
+        return SimpleNamespace(serve=SimpleNamespace(remote=lambda spec, shipped: ref),
+                               _actor_id=SimpleNamespace(hex=lambda: f"{cls.started:x}"))
 
 
 @pytest.mark.parametrize("how", ["restart", "add"])
 def test_recovery_and_scale_up_never_wait_for_the_pool(monkeypatch, how):
-    """A dead worker's replacement (or an added worker) starts at once on a fresh actor
+    """A dead worker's replacement (or an added worker) starts at once on a fresh host
     when no idle one is there: the training thread, which carries it out, must not
     wait up to 5 s per worker for one that is still returning (issue 25, item 18)."""
     pool = BlockingPool()
@@ -96,6 +98,7 @@ def test_recovery_and_scale_up_never_wait_for_the_pool(monkeypatch, how):
     group._actor_class = FakeActorClass
     started = time.monotonic()
     for w in range(3):
-        getattr(group, how)(SimpleNamespace(worker_id=w, incarnation=1), "shipped")
+        spec = WorkerSpec(None, w, 3, 0, "", "", None, incarnation=1)
+        getattr(group, how)(spec, "shipped")
     assert time.monotonic() - started < 1.0 and pool.waits == [False] * 3
     assert sorted(group.actors) == [0, 1, 2] and not group.warm

@@ -51,7 +51,7 @@ class _Entry:
     key: str
     node: str | None
     keep_s: float
-    ref: Any = None  # the ended session's serve call (returning entries)
+    refs: list = field(default_factory=list)  # its ended sessions' serve calls (returning)
     since: float = field(default_factory=time.monotonic)
     job: str | None = None  # the Ray connection it belongs to (_ray_guard.job_id)
 
@@ -95,18 +95,37 @@ class WarmPool:
                     return None
                 self._settled.wait(left)
 
-    def give_back(self, actor: Any, ref: Any, key: str, node: str | None,
+    def give_back(self, actor: Any, refs: list, key: str, node: str | None,
                   keep_s: float) -> None:
-        """An iterator ended its session on ``actor`` (``ref``: the serve call it
+        """An iterator ended its sessions on ``actor`` (``refs``: the serve calls it
         cancelled); keep the actor ``keep_s`` seconds once it proves idle. With Ray
         shut down meanwhile it is gone with its driver: nothing is kept."""
         job = _job()
         if job is None:
             return
         with self._lock:
-            self._returning.append(_Entry(actor, key, node, keep_s, ref, job=job))
+            self._returning.append(_Entry(actor, key, node, keep_s, list(refs), job=job))
             self._ensure_thread()
         self._wake.set()
+
+    def keep_idle(self, actor: Any, key: str, node: str | None, keep_s: float) -> None:
+        """Keep ``actor``, just started and serving nothing (a host started early, as
+        its loader was built), idle for ``keep_s`` seconds."""
+        job = _job()
+        if job is None:
+            return
+        with self._lock:
+            self._idle.append(_Entry(actor, key, node, keep_s, job=job))
+            self._settled.notify_all()
+            self._ensure_thread()
+        self._wake.set()
+
+    def has_idle(self, key: str, node: str | None) -> bool:
+        """Whether an idle or returning actor with options ``key`` is kept on ``node``."""
+        job = _job()
+        with self._lock:
+            return any(e.key == key and e.node == node and e.job == job
+                       for e in self._idle + self._returning)
 
     def idle_count(self) -> int:
         with self._lock:
@@ -186,7 +205,7 @@ class WarmPool:
         down (the caller forgets them)."""
         self._forget_other_jobs(_ray_guard.job_id())  # (raises RayDown once shut down)
         with self._lock:
-            refs = [e.ref for e in self._returning]
+            refs = [r for e in self._returning for r in e.refs]
         if refs:  # wake as soon as a session ends
             _ray_guard.wait(refs, num_returns=1, timeout=_TICK_S)
         else:
@@ -199,17 +218,18 @@ class WarmPool:
         with self._lock:
             returning = list(self._returning)
         for entry in returning:
-            done, _ = _ray_guard.wait([entry.ref], timeout=0)
+            done = not entry.refs or len(_ray_guard.wait(
+                entry.refs, num_returns=len(entry.refs), timeout=0)[0]) == len(entry.refs)
             late = time.monotonic() - entry.since > _CHECK_S
             if not done and not late:
                 continue
-            keep = bool(done) and _reusable(entry.actor)
+            keep = done and _reusable(entry.actor)
             with self._lock:  # it stays "returning" until decided: release() sees it
                 released = entry not in self._returning
                 if not released:
                     self._returning.remove(entry)
                     if keep:
-                        entry.ref, entry.since = None, time.monotonic()
+                        entry.refs, entry.since = [], time.monotonic()
                         self._idle.append(entry)
                 self._settled.notify_all()
             if released or not keep:

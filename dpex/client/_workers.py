@@ -9,6 +9,7 @@ the next group's workers and names who holds what when a request waits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -26,7 +27,7 @@ from dpex._spec import WorkerSpec
 from dpex.client._events import WorkerExit
 from dpex.client._warm import POOL
 
-__all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups"]
+__all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups", "start_hosts"]
 
 # Every WorkerGroup of this process (weak: a dropped iterator's group goes with it).
 # Only creation adds to it and nothing else changes it: a group's stop() may run in a
@@ -36,6 +37,7 @@ __all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups"]
 _GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 _groups_lock = threading.RLock()
 _group_ids = itertools.count()
+_EARLY: set[str] = set()  # ids of hosts started early (start_hosts), not yet taken
 
 
 def live_groups() -> list[WorkerGroup]:
@@ -63,30 +65,44 @@ def holders() -> str:
 
 
 def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int,
-                 guest: bool = False) -> Any:
+                 on_host_lost: Any = None) -> Any:
     """A done-callback for a ``serve`` call: its end (clean or not) as a WorkerExit. A
-    guest's session runs in a process of its own, whose death fails the call with the
-    actor's error; the actor's own death (``RayActorError``) is its host's: the guest
-    was lost with it (``host_lost``), not by a fault of its own."""
+    hosted worker's session runs in a process of its own, whose death fails the call
+    with the host's error; the host's own death (``RayActorError``) loses all its
+    sessions (``host_lost``: not by a fault of their own), and ``on_host_lost()`` is
+    told so that no replacement goes to it."""
     def report(fut: Any) -> None:
         try:
             fut.result()
         except BaseException as exc:
-            events.put(WorkerExit(worker_id, exc, incarnation, host_lost=guest and isinstance(
-                exc, ray.exceptions.RayActorError)))
+            lost = on_host_lost is not None and isinstance(exc, ray.exceptions.RayActorError)
+            if lost:
+                on_host_lost()
+            events.put(WorkerExit(worker_id, exc, incarnation, host_lost=lost))
         else:
             events.put(WorkerExit(worker_id, None, incarnation))
     return report
 
 
+def _shipment(spec: WorkerSpec, shipped: Any) -> WorkerSpec:
+    """``spec`` naming its shipped loader (its object ref's id): a host's sessions of
+    one loader fork from one copy of it."""
+    hex_id = getattr(shipped, "hex", None)
+    return dataclasses.replace(spec, shipment=hex_id()) if callable(hex_id) else spec
+
+
 class WorkerGroup:
-    """The actors of one iterator. ``stop()`` is idempotent and kills them all.
+    """The workers of one iterator. ``stop()`` is idempotent and ends them all.
 
     ``worker_class`` is the actor class (dpex's ``DpexWorker``, handed in by the loader:
-    the trainer side does not import the worker side). With ``keep_s > 0`` and workers
-    that reserve nothing, a worker starts on an idle process of this trainer's warm
-    pool when one is there, and ``stop()`` ends the sessions and hands the processes
-    back to it (:mod:`dpex.client._warm`) instead of killing them."""
+    the trainer side does not import the worker side). Workers that reserve nothing
+    run on a **host** per node: one actor that holds the interpreter and, in a fork
+    base, the dataset once, each worker a session in a process forked from it
+    (milliseconds; :mod:`dpex.server._fork_base`). Workers that reserve resources
+    (``num_cpus``, ``num_gpus``, ...) are an actor each, since Ray reserves per actor.
+    With ``keep_s > 0`` a host comes from this trainer's warm pool when one is idle
+    there, and ``stop()`` ends the sessions and hands the hosts back to it
+    (:mod:`dpex.client._warm`) instead of killing them."""
 
     def __init__(self, worker_class: type, ray_remote_args: Mapping[str, Any],
                  events: queue.SimpleQueue, label: str = "dpex loader",
@@ -95,86 +111,92 @@ class WorkerGroup:
         self.user_args = dict(ray_remote_args)
         self.reserving = _placement.reserves(self.user_args)
         self.demand = _placement.per_worker_demand(self.user_args)
-        self.options = {"num_cpus": 0, **self.user_args}  # as reported in errors
-        if self.reserving:
-            self.options.setdefault("scheduling_strategy", "SPREAD")
+        self.options = host_options(self.user_args)  # as reported in errors
         self.events = events
         self.group_id = next(_group_ids)
         self.label = label
-        self.actors: dict[int, Any] = {}
+        self.actors: dict[int, Any] = {}  # each worker's actor (its host, when hosted)
         self.nodes: dict[int, str | None] = {}  # the node dpex chose for each worker
         # Reuse only what reserves nothing: an idle worker holding CPUs would starve others.
         self.keep_s = keep_s if not self.reserving else 0.0
         self._key = _options_key(self.options)
         self._calls: dict[int, Any] = {}  # each worker's serve call
-        self.warm: set[int] = set()  # worker ids whose session runs on a warm worker
-        # Workers added while the iterator runs (elastic), served as a session of their
-        # own (a process forked in ~0.1 s) on an actor of this group: guest -> host id.
-        self._guests: dict[int, int] = {}
-        self._parked: list[Any] = []  # retired hosts whose actor still serves guests
+        self._hosts: dict[str | None, Any] = {}  # node -> this group's host there
+        self._lost: set[str] = set()  # ids of hosts that died (told by their sessions)
+        self._reused: set[str] = set()  # ids of hosts taken from the warm pool
+        self.warm: set[int] = set()  # worker ids served on a host from the warm pool
         self._stopped = False
         with _groups_lock:
             _GROUPS.add(self)
+
+    @property
+    def hosted(self) -> bool:
+        """Whether this group's workers are sessions on hosts (they reserve nothing)."""
+        return not self.reserving
 
     def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
         if self.reserving:
             _cluster.check_placeable(self.user_args, len(specs))
         self._actor_class = ray.remote(self.worker_class)
-        nodes = _nodes_for(len(specs)) if not self.reserving else [None] * len(specs)
+        nodes = _nodes_for(len(specs)) if self.hosted else [None] * len(specs)
         for spec, node in zip(specs, nodes, strict=True):
             self._start_one(spec, shipped, node, wait=True)
 
     def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None,
                    wait: bool = False) -> None:
-        """``wait``: for a warm worker still returning from the last iterator (only at
-        the iterator's start). A replacement or an added worker takes an idle one or
-        starts a fresh actor at once: the training thread carries it out, and a wait
-        there (up to 5 s per worker) held up the survivors' batches too."""
-        actor = POOL.take(self._key, node, wait=wait) if self.keep_s > 0 else None
-        if actor is not None:  # a fresh process for the session, forked on that worker
-            spec = dataclasses.replace(spec, pooled=True)
+        """A session on the host of ``node`` (a worker that reserves: an actor of its
+        own). ``wait``: for a host still returning from the last iterator (only at the
+        iterator's start); a replacement or an added worker never waits (the training
+        thread carries it out)."""
+        if self.hosted:
+            host = self._host(node, wait)
+            self._serve(host, dataclasses.replace(spec, pooled=True), shipped, node, host)
+            return
+        actor = self._actor_class.options(**self.options).remote()
+        self._serve(actor, spec, shipped, node)
+
+    def _host(self, node: str | None, wait: bool) -> Any:
+        """This group's live host on ``node``: its own, one from the warm pool, or new."""
+        host = self._hosts.get(node)
+        if host is not None and host._actor_id.hex() not in self._lost:
+            return host
+        host = POOL.take(self._key, node, wait=wait)
+        if host is None:
+            host = new_host(self._actor_class, self.options, node, self.keep_s)
+        elif host._actor_id.hex() in _EARLY:  # started early (fresh), not reused
+            _EARLY.discard(host._actor_id.hex())
+        else:
+            self._reused.add(host._actor_id.hex())
+        self._hosts[node] = host
+        return host
+
+    def _serve(self, actor: Any, spec: WorkerSpec, shipped: ray.ObjectRef,
+               node: str | None, host: Any = None) -> None:
+        self.actors[spec.worker_id] = actor
+        self.nodes[spec.worker_id] = node
+        if host is not None and host._actor_id.hex() in self._reused:
             self.warm.add(spec.worker_id)
         else:
             self.warm.discard(spec.worker_id)
-            options = dict(self.options)
-            if node is not None:
-                options["scheduling_strategy"] = _cluster.on_node(node)
-            actor = self._actor_class.options(**options).remote(warm=self.keep_s > 0)
-        self._serve(actor, spec, shipped, node)
-
-    def _serve(self, actor: Any, spec: WorkerSpec, shipped: ray.ObjectRef,
-               node: str | None, guest: bool = False) -> None:
-        self.actors[spec.worker_id] = actor
-        self.nodes[spec.worker_id] = node
-        ref = actor.serve.remote(spec, shipped)
+        ref = actor.serve.remote(_shipment(spec, shipped), shipped)
         self._calls[spec.worker_id] = ref
+        lost = None if host is None else functools.partial(
+            self._lost.add, host._actor_id.hex())
         # Ray fails this reference as soon as the actor dies (process killed, node
         # lost): liveness without polling.
         ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
-                                                    spec.incarnation, guest))
+                                                    spec.incarnation, lost))
 
     def add(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
-        """Start one more worker (a new id) on the node spreading picks: as a session of
-        its own on an actor of this group there (forked in ~0.1 s instead of an actor
-        start's seconds), or on a new actor where the group has none (or reserves)."""
+        """Start one more worker (a new id) on the node spreading picks: a session
+        forked on the host there (milliseconds plus the dataset's own work; a new host
+        where there is none), or an actor of its own for a worker that reserves."""
         if self._stopped:
             return
-        node = _nodes_for(1)[0] if not self.reserving else None
-        hosts = [w for w in self.actors if w not in self._guests
-                 and (node is None or self.nodes.get(w) == node)] if self.keep_s > 0 else []
-        if not hosts:
-            self._start_one(spec, shipped, node)
-            return
-        guests = Counter(self._guests.values())
-        host = min(hosts, key=lambda w: guests[w])
-        self._guests[spec.worker_id] = host
-        self.warm.add(spec.worker_id)
-        self._serve(self.actors[host], dataclasses.replace(spec, pooled=True), shipped,
-                    self.nodes.get(host), guest=True)
+        self._start_one(spec, shipped, _nodes_for(1)[0] if self.hosted else None)
 
-    def _end_guest(self, worker_id: int) -> None:
-        """End a guest's session (its host actor serves on)."""
-        self._guests.pop(worker_id, None)
+    def _end_session(self, worker_id: int) -> None:
+        """End a worker's session (its host serves on)."""
         self.actors.pop(worker_id, None)
         self.nodes.pop(worker_id, None)
         self.warm.discard(worker_id)
@@ -186,74 +208,47 @@ class WorkerGroup:
                 pass  # already finished, or Ray shut down
 
     def retire(self, worker_id: int) -> None:
-        """End one worker's session (a retired worker): a guest's on its host; else its
-        process goes to the warm pool, as at ``stop()``, or is killed."""
-        if worker_id in self._guests:
-            self._end_guest(worker_id)
+        """End one worker's session (a retired worker): a hosted worker's on its host;
+        an actor of its own is killed."""
+        if self.hosted:
+            self._end_session(worker_id)
             return
         actor = self.actors.pop(worker_id, None)
-        ref = self._calls.pop(worker_id, None)
-        node = self.nodes.pop(worker_id, None)
-        self.warm.discard(worker_id)
-        if actor is None or self._stopped or not ray.is_initialized():
-            return
-        if worker_id in self._guests.values():  # it hosts others: end its session only
-            self._parked.append(actor)
-            if ref is not None:
-                try:
-                    ray.cancel(ref)
-                except Exception:
-                    pass
-            return
-        if self.keep_s > 0 and ref is not None:
-            try:
-                ray.cancel(ref)
-            except Exception:
-                pass  # finished already, or gone (the pool finds out)
-            POOL.give_back(actor, ref, self._key, node, self.keep_s)
-            return
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:
-            pass  # already gone
+        self._calls.pop(worker_id, None)
+        self.nodes.pop(worker_id, None)
+        if actor is not None and not self._stopped and ray.is_initialized():
+            _kill(actor)
 
     def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
-        """Replace worker ``spec.worker_id`` (killing its old actor if it lingers): as
-        an added worker starts (:meth:`add`), a session forked on a live actor of this
-        group on the node spreading picks (milliseconds plus the dataset's own work),
-        else a new actor (seconds). A dead actor's guests come back through their own
-        exits."""
+        """Replace worker ``spec.worker_id``: as an added worker starts (:meth:`add`), a
+        session forked on the host of the node spreading picks (a new host where the
+        old one died), or a new actor for a worker that reserves (its old one killed
+        if it lingers)."""
         if self._stopped:
             return
-        if spec.worker_id in self._guests:  # a guest: its host (if alive) serves on
-            self._end_guest(spec.worker_id)
-            self.add(spec, shipped)
-            return
-        old = self.actors.pop(spec.worker_id, None)
-        self.nodes.pop(spec.worker_id, None)
-        self._calls.pop(spec.worker_id, None)
-        if old is not None:
-            try:
-                ray.kill(old, no_restart=True)
-            except Exception:
-                pass  # already gone
+        if self.hosted:
+            self._end_session(spec.worker_id)
+        else:
+            old = self.actors.pop(spec.worker_id, None)
+            self.nodes.pop(spec.worker_id, None)
+            self._calls.pop(spec.worker_id, None)
+            if old is not None:
+                _kill(old)
         self.add(spec, shipped)
 
     def kill(self, worker_id: int) -> None:
-        """End a worker presumed broken; Ray reports its exit (and the iterator replaces it)."""
-        if worker_id in self._guests:
-            ref = self._calls.get(worker_id)
-            try:
-                ray.cancel(ref)  # its session only: the host serves others
-            except Exception:
-                pass
-            return
+        """End a worker presumed broken (its session process at once, on a host); Ray
+        reports its exit and the iterator replaces it."""
         actor = self.actors.get(worker_id)
-        if actor is not None and not self._stopped:
+        if actor is None or self._stopped:
+            return
+        if self.hosted:
             try:
-                ray.kill(actor, no_restart=True)
+                actor.kill_session.remote(worker_id)
             except Exception:
-                pass  # already gone
+                pass  # its host is gone: its exit comes from that
+            return
+        _kill(actor)
 
     @property
     def stopped(self) -> bool:
@@ -282,8 +277,8 @@ class WorkerGroup:
         )
 
     def stop(self) -> None:
-        """End every worker's session: hand its process to the warm pool (which keeps
-        it only once it proves idle) or, without reuse, kill it."""
+        """End every worker's session; hand each host to the warm pool (which keeps it
+        only once it proves idle) or, without reuse, kill it and every own actor."""
         if self._stopped:
             return
         self._stopped = True
@@ -291,26 +286,69 @@ class WorkerGroup:
         # down: its calls never start Ray (dpex._ray_guard).
         if not _ray_guard.ray_up():
             return
-        for worker_id in list(self._guests):  # first: then their hosts are idle
-            self._end_guest(worker_id)
-        for actor in self._parked:
-            try:
-                _ray_guard.kill(actor)  # a retired host (never reused)
+        if not self.hosted:
+            for actor in self.actors.values():
+                _kill(actor)
+            return
+        calls = {w: (self.actors.get(w), ref) for w, ref in self._calls.items()}
+        for ref in self._calls.values():  # (actors, nodes and warm stay: its final stats)
+            try:  # (maybe on the reaper thread: never starts Ray)
+                _ray_guard.cancel(ref)  # an async actor's task: its session process ends
             except Exception:
-                pass
-        for worker_id, actor in self.actors.items():
-            ref = self._calls.get(worker_id)
-            if self.keep_s > 0 and ref is not None:
-                try:
-                    _ray_guard.cancel(ref)  # an async actor's task: serve() ends, cleans up
-                except Exception:
-                    pass  # finished already, or its worker is gone (the pool finds out)
-                POOL.give_back(actor, ref, self._key, self.nodes.get(worker_id), self.keep_s)
+                pass  # already finished, or Ray shut down
+        self._calls.clear()
+        for node, host in self._hosts.items():
+            if host._actor_id.hex() in self._lost:
                 continue
-            try:
-                _ray_guard.kill(actor)
-            except Exception:
-                pass  # already gone
+            refs = [ref for actor, ref in calls.values() if actor is host]
+            if self.keep_s > 0:
+                POOL.give_back(host, refs, self._key, node, self.keep_s)
+            else:
+                _kill(host)
+
+
+def host_options(ray_remote_args: Mapping[str, Any]) -> dict[str, Any]:
+    """The actor options of a loader's workers (a host's, when they reserve nothing)."""
+    options = {"num_cpus": 0, **ray_remote_args}
+    if _placement.reserves(options):
+        options.setdefault("scheduling_strategy", "SPREAD")
+    return options
+
+
+def new_host(actor_class: Any, options: Mapping[str, Any], node: str | None,
+             keep_s: float) -> Any:
+    """Start a host actor on ``node`` (its forkserver starts at once)."""
+    options = dict(options)
+    if node is not None:
+        options["scheduling_strategy"] = _cluster.on_node(node)
+    return actor_class.options(**options).remote(host=True, warm=keep_s > 0)
+
+
+def start_hosts(worker_class: type, ray_remote_args: Mapping[str, Any], num_workers: int,
+                keep_s: float) -> int:
+    """Start the hosts a loader's first iterator will take, now (when the loader is
+    built, Ray running): one per node its workers would spread to, each kept idle in
+    the warm pool for ``keep_s`` s, unless an idle one is there. How many started."""
+    options = host_options(ray_remote_args)
+    if _placement.reserves(options) or keep_s <= 0 or num_workers <= 0:
+        return 0
+    key = _options_key(options)
+    actor_class = ray.remote(worker_class)
+    started = 0
+    for node in dict.fromkeys(_nodes_for(num_workers)):
+        if not POOL.has_idle(key, node):
+            host = new_host(actor_class, options, node, keep_s)
+            _EARLY.add(host._actor_id.hex())
+            POOL.keep_idle(host, key, node, keep_s)
+            started += 1
+    return started
+
+
+def _kill(actor: Any) -> None:
+    try:
+        _ray_guard.kill(actor)
+    except Exception:
+        pass  # already gone
 
 
 def _options_key(options: Mapping[str, Any]) -> str:
@@ -322,15 +360,15 @@ class WorkerProcess:
     """One worker as torch's iterator shows its worker processes (``iterator._workers``):
     ``pid``, ``is_alive()``, ``join(timeout)``, ``exitcode`` and ``terminate()``, for code
     that checks that workers end (PyTorch's own DataLoader tests do). A fleet session,
-    or a session on a process the warm pool keeps, is alive until its iterator ends it
-    (the process lives on for other sessions)."""
+    or a session on a host, is alive until its iterator ends it (the host lives on for
+    other sessions)."""
 
     def __init__(self, group: WorkerGroup | FleetGroup, worker_id: int, actor: Any,
                  pid: int | None) -> None:
         self._group, self.worker_id, self._actor, self.pid = group, worker_id, actor, pid
 
     def is_alive(self) -> bool:
-        if isinstance(self._group, FleetGroup) or self._group.keep_s > 0:
+        if isinstance(self._group, FleetGroup) or self._group.hosted:
             if self._group.stopped:
                 return False
         if isinstance(self._group, FleetGroup):
@@ -354,10 +392,7 @@ class WorkerProcess:
 
     def terminate(self) -> None:
         if isinstance(self._group, WorkerGroup) and ray.is_initialized():
-            try:
-                ray.kill(self._actor, no_restart=True)
-            except Exception:
-                pass  # gone already
+            self._group.kill(self.worker_id)
 
 
 class FleetGroup:
@@ -387,7 +422,7 @@ class FleetGroup:
 
     def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, actor: Any) -> None:
         self.actors[spec.worker_id] = actor
-        ref = actor.serve.remote(spec, shipped)
+        ref = actor.serve.remote(_shipment(spec, shipped), shipped)
         self._calls[spec.worker_id] = ref
         ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
                                                     spec.incarnation))

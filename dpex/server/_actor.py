@@ -6,20 +6,33 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import os
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from dpex._spec import Parcel, WorkerSpec
 from dpex._version import local_versions
+from dpex.server._fork_base import BaseUnsafe, ForkBase
 from dpex.server._session import Session, SessionServer
-from dpex.server._session_process import SessionProcess, prestart
+from dpex.server._session_process import (
+    _START_STATE,
+    SessionProcess,
+    _context,
+    _restore,
+    prestart,
+)
+from dpex.server._task_runner import _load
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
 
 __all__ = ["DpexWorker", "SessionWorker"]
+
+logger = logging.getLogger("dpex")
 
 
 def _placement() -> dict:
@@ -47,7 +60,8 @@ class DpexWorker:
     nothing from its trainer (which pings every second) before it is freed."""
 
     def __init__(self, session_timeout: float = 30.0, pooled: bool = False,
-                 warm: bool = False, fleet_setting: dict | None = None) -> None:
+                 warm: bool = False, fleet_setting: dict | None = None,
+                 host: bool = False) -> None:
         """``pooled``: a fleet worker (every session in a process of its own); ``warm``:
         a trainer's worker that may serve its later iterators (each in a process of its
         own). A fleet worker starts the forkserver those processes fork from now, in
@@ -55,8 +69,13 @@ class DpexWorker:
         session runs here and may be its only one (``persistent_workers``, a single
         iterator): its forkserver (~170 MiB PSS beside the actor's ~200) starts once
         the warm pool keeps it idle (:meth:`keep`), or when a session first forks
-        (docs/WARM_WORKERS.md). ``fleet_setting``: how its fleet was started
-        (``dpex fleet scale`` starts more workers the same way)."""
+        (docs/WARM_WORKERS.md). ``host``: a trainer's worker host, whose sessions all
+        run in processes of their own: its forkserver starts at once, as a fleet
+        worker's. ``fleet_setting``: how its fleet was started (``dpex fleet scale``
+        starts more workers the same way).
+
+        Each shipped loader its sessions serve is unpickled once, in a fork base
+        (:mod:`dpex.server._fork_base`) those sessions are forked from."""
         self.session_timeout = session_timeout
         self.fleet_setting = fleet_setting
         self.draining = False
@@ -73,7 +92,11 @@ class DpexWorker:
         self._forkserver: threading.Thread | None = None
         self._server = SessionServer(self.placement, session_timeout, self._count,
                                      self._count_rejected, self._sessions, self._computes)
-        if pooled:
+        # Fork bases by shipment: a start in progress (a future of a ForkBase, or of
+        # None where the loader cannot be shared: its sessions unpickle it each).
+        self._bases: dict[str, asyncio.Future] = {}
+        self._latest: str | None = None  # the shipment a session last asked for
+        if pooled or host:
             self._start_forkserver()
 
     def _start_forkserver(self) -> None:
@@ -123,6 +146,15 @@ class DpexWorker:
             for session in list(self._sessions):
                 session.stop.set()
 
+    def kill_session(self, worker_id: int) -> int:
+        """Kill the process of worker ``worker_id``'s session (its trainer presumes it
+        hung); its ``serve`` call then fails. How many were killed."""
+        with self._lock:
+            children = [c for c in self._children if c.worker_id == worker_id]
+        for child in children:
+            child.kill()
+        return len(children)
+
     def undrain(self) -> None:
         """Undo :meth:`stop`'s drain (an interrupted ``dpex fleet stop``): take new sessions."""
         self.draining = False
@@ -152,27 +184,101 @@ class DpexWorker:
 
     async def _serve_in_child(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
         loop = asyncio.get_running_loop()
-        child = SessionProcess(SessionWorker, spec, shipped, self.placement,
-                               self.session_timeout, self._ray_view)
         session = Session()
         self._sessions.add(session)
-        with self._lock:
-            self._children.add(child)
+        base: ForkBase | None = None
+        child: SessionProcess | None = None
         try:
+            base = await self._base_for(spec.shipment, shipped)
+            if base is not None:
+                base.sessions += 1
+                if isinstance(shipped, Parcel):
+                    shipped.take()  # the base holds it: this call keeps no view of it
+            child = SessionProcess(SessionWorker, spec, shipped, self.placement,
+                                   self.session_timeout, self._ray_view, base)
+            with self._lock:
+                self._children.add(child)
             await loop.run_in_executor(None, child.start)
             await child.wait(session.stop)
         finally:  # also when cancelled: the trainer ended the session
             self._sessions.discard(session)
-            await asyncio.shield(loop.run_in_executor(None, child.stop))
-            with self._lock:
-                self._children.discard(child)
-                for name, n in child.counters().items():
-                    self._counters[name] += n
+            if child is not None:
+                await asyncio.shield(loop.run_in_executor(None, child.stop))
+                with self._lock:
+                    self._children.discard(child)
+                    for name, n in child.counters().items():
+                        self._counters[name] += n
+            if base is not None:
+                base.sessions -= 1
+                self._retire_bases()
         child.raise_outcome()
+
+    async def _base_for(self, key: str | None, shipped: Parcel | bytes) -> ForkBase | None:
+        """The fork base of shipment ``key``, started (from this call's ``shipped``) if
+        there is none or it died; None when it cannot be used."""
+        if key is None:
+            return None
+        self._latest = key
+        pending = self._bases.get(key)
+        if pending is not None and pending.done():
+            failed = pending.exception() is not None
+            if not failed and (pending.result() is None or pending.result().alive()):
+                return pending.result()
+            pending = None  # it failed to start, or died (killed): start another
+        if pending is None:
+            self._retire_bases()
+            data = shipped.view() if isinstance(shipped, Parcel) else shipped
+            pending = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
+                None, _start_base, key, data, self._ray_view))
+            self._bases[key] = pending
+        return await asyncio.shield(pending)
+
+    def _retire_bases(self) -> None:
+        """Stop the fork bases no session uses, but the latest shipment's (its trainer's
+        next iterator forks from it when the dataset is unchanged)."""
+        for key, pending in list(self._bases.items()):
+            if key == self._latest or not pending.done() or pending.exception() is not None:
+                continue
+            base = pending.result()
+            if base is None or base.sessions == 0:
+                del self._bases[key]
+                if base is not None:
+                    base.stop()
+
+    def bases(self) -> dict[str, int | None]:
+        """The fork bases this worker holds: shipment -> pid (None: not shared)."""
+        return {key: (p.result().pid if p.result() is not None else None)
+                for key, p in self._bases.items() if p.done() and p.exception() is None}
 
     async def _serve_here(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
         """Serve one session in this process (:class:`SessionServer`)."""
         await self._server.serve(spec, shipped)
+
+
+def _prepare_base(ray_view: JobView | None, path: list[str]) -> None:
+    """A fork base's start: the worker's environment and directory as it started, its
+    ``sys.path`` as it is now (``path``: Ray adds the job's code paths, the trainer
+    script's directory among them, once the worker runs the job's first task), and
+    Ray calls of the dataset's unpickling join the worker's cluster (a base that
+    connects to Ray is then not forked from: its Ray threads would not live through a
+    fork)."""
+    environ, _, cwd = _START_STATE
+    _restore((environ, path, cwd))
+    if ray_view is not None:
+        from dpex._ray_connect import join_on_first_call
+
+        join_on_first_call(ray_view)
+
+
+def _start_base(key: str, data: Any, ray_view: JobView | None) -> ForkBase | None:
+    """A started fork base for shipment ``key`` (blocking), None if it cannot be used."""
+    base = ForkBase(_context(), key)
+    try:
+        base.start(data, functools.partial(_prepare_base, ray_view, list(sys.path)), _load)
+    except BaseUnsafe as exc:
+        logger.warning("%s: each session unpickles the dataset itself", exc)
+        return None
+    return base
 
 
 class SessionWorker:

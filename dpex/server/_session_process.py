@@ -30,6 +30,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from dpex.server._fork_base import PRELOADED, ForkBase, enter_base_state
+
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
 
@@ -172,20 +174,27 @@ class SessionProcess:
     """The fleet worker's handle on one session's child process."""
 
     def __init__(self, worker_class: type, spec: Any, shipped: Any, placement: dict,
-                 session_timeout: float, ray_view: JobView | None = None) -> None:
+                 session_timeout: float, ray_view: JobView | None = None,
+                 base: ForkBase | None = None) -> None:
         """``worker_class(placement, session_timeout, counts)`` serves the session in the
         child (the actor module's ``SessionWorker``, passed by reference: pickled by
         name, so this module does not import the actor's). ``ray_view``: the worker's
         cluster and job, which Ray calls in the child's dataset code join
-        (:func:`dpex._ray_connect.join_on_first_call`)."""
+        (:func:`dpex._ray_connect.join_on_first_call`). ``base``: the fork base that
+        holds this session's loader unpickled (:mod:`dpex.server._fork_base`), which the
+        child is forked from; without, it is forked from the worker's forkserver and
+        unpickles ``shipped`` itself."""
         ctx = _context()
         self.counts = ctx.RawArray("q", len(COUNTERS))  # written by the child
         self._conn, child_end = ctx.Pipe()
         self._child_end: Connection | None = child_end
-        self._proc = ctx.Process(
+        if base is not None:
+            shipped = PRELOADED
+        self._proc = (ctx.Process if base is None else base.process)(
             target=_main, name=f"dpex-session-{spec.worker_id}", daemon=True,
             args=(worker_class, spec, shipped, placement, session_timeout, self.counts,
-                  child_end, ray_view, _START_STATE))
+                  child_end, ray_view, None if base is not None else _START_STATE))
+        self.worker_id = spec.worker_id
         self._lock = threading.Lock()  # start and stop run on executor threads
         self._stopped = False
         self._outcome: BaseException | None = None
@@ -218,6 +227,14 @@ class SessionProcess:
         finally:
             loop.remove_reader(fd)
             stopper.cancel()
+
+    def kill(self) -> None:
+        """SIGKILL the child (a session presumed hung); :meth:`wait` then returns."""
+        if self._child_end is None and self._proc.pid is not None:  # (started)
+            try:  # (not under the lock: stop() may hold it while it waits)
+                self._proc.kill()
+            except (OSError, ValueError):
+                pass  # ended already
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """Ask the child to end its session, wait ``grace`` seconds, then kill it; keep
@@ -267,6 +284,8 @@ def _main(worker_class: type, spec: Any, shipped: Any, placement: dict,
     """The child: serve one session until it ends, the fleet worker asks, or dies."""
     if start_state is not None:
         _restore(start_state)  # as the worker started, not as its forkserver did
+    if shipped is PRELOADED:  # forked from a fork base: the trainer's state, applied there
+        enter_base_state()
     if ray_view is not None:
         # Ray is imported here but not connected: the first Ray call of the dataset's
         # code joins the worker's cluster, namespace and runtime_env, instead of

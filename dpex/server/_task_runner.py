@@ -31,6 +31,7 @@ from dpex._spec import (
 )
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
+from dpex.server._fork_base import PRELOADED, preloaded
 from dpex.server._rng import (
     RngLog,
     RngRecorder,
@@ -61,7 +62,10 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
 
 def _load(shipped: Any) -> ShippedLoader:
     """The shipped loader, unpickled from bytes or from a :class:`Parcel` (taken: its
-    bytes are not kept once unpickled)."""
+    bytes are not kept once unpickled), or the one the fork base this process was
+    forked from unpickled (:data:`~dpex.server._fork_base.PRELOADED`)."""
+    if shipped is PRELOADED:
+        return preloaded()
     if isinstance(shipped, Parcel):
         shipped = shipped.take()
         if shipped is None:

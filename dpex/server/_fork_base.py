@@ -1,0 +1,260 @@
+"""A fork base: one process per shipped loader on a worker host, holding the loader
+unpickled once; the host's sessions of that loader are forked from it.
+
+torch's workers are forks of the trainer and share its dataset copy-on-write. A dpex
+host (a worker actor serving several sessions, each in a process of its own) gets
+the same: for each shipped loader it serves, it forks one process from its
+forkserver (torch, Ray and dpex imported), hands it the pickled loader once, and that
+process unpickles it (with the trainer's directory and environment applied), freezes
+the garbage collector's view of what it holds (``gc.freeze()``: a collection in a
+session then writes to none of those objects' pages) and runs multiprocessing's own
+forkserver loop (``multiprocessing.forkserver.main``). Each session of that loader is
+a fork of it: ``get_worker_info()``, seeds and ``worker_init_fn`` are set up in the
+session as in a fresh torch worker, and the dataset's pages are shared until written
+(a Python object's pages are written when its reference count changes: the list of
+strings torch users know from pytorch/pytorch#13246 is copied page by page into a
+session that reads it, as into torch's forks).
+
+The pickled bytes cross to the base through a pipe and are dropped once unpickled:
+the host keeps none (its argument is a view of the node's object store copy).
+
+A dataset whose unpickling leaves a thread running (it connected to Ray, started a
+pool) would make every session a fork of a multi-threaded process; such a base says
+so (``unsafe``) and exits, and the host serves that loader's sessions as before, each
+unpickling its own copy (:class:`~dpex.server._session_process.SessionProcess`
+without a base).
+
+Ownership: the host's :class:`ForkBase` starts the base and stops it (closes the
+pipe it watches, as multiprocessing's forkserver watches its own); the base also
+ends when the host dies, and its sessions when the host does (they watch a pipe to
+it too). A base lives as long as sessions of its loader run, and the host keeps the
+last one idle for its next iterator (an unchanged dataset is the same object).
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import multiprocessing.context
+import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
+import multiprocessing.util
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing import connection, reduction, spawn
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["ForkBase", "PRELOADED", "BaseUnsafe", "preloaded", "enter_base_state"]
+
+_READY_S = 600.0  # how long a host waits for a base to unpickle its loader
+
+# In a base and the sessions forked from it: the loader it unpickled (or the error
+# unpickling raised), and its directory and sys.path once the trainer's were applied.
+_LOADED: Any = None
+_STATE: tuple[str, list[str]] | None = None
+
+
+class _Preloaded:
+    """What a session forked from a base gets instead of the pickled loader."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "PRELOADED"
+
+
+PRELOADED = _Preloaded()
+
+
+class BaseUnsafe(RuntimeError):
+    """A base could not be used (its loader left threads running): serve without."""
+
+
+def preloaded() -> Any:
+    """The loader of the base this session was forked from (raises what unpickling it
+    raised, a :class:`~dpex.errors.WorkerStartupError`)."""
+    if isinstance(_LOADED, BaseException):
+        raise _LOADED
+    if _LOADED is None:
+        raise RuntimeError("this process was not forked from a dpex fork base")
+    return _LOADED
+
+
+def enter_base_state() -> None:
+    """In a session forked from a base: the base's directory and sys.path (the trainer's,
+    applied there; multiprocessing's start put back the host's)."""
+    if _STATE is not None:
+        cwd, path = _STATE
+        sys.path[:] = path
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass  # gone since: stay where the host is
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _base_main(address: str, alive: Connection, link: Connection,
+               prepare: Callable[[], None], load: Callable[[bytes], Any]) -> None:
+    """The base: ``prepare()`` the process, take the pickled loader from ``link`` and
+    ``load`` it, say there whether it is ready, then fork sessions until ``alive``
+    reaches its end."""
+    global _LOADED, _STATE
+    prepare()  # (as the host started, not as its forkserver did)
+    try:
+        _LOADED = load(link.recv_bytes())
+    except BaseException as exc:  # noqa: BLE001 - each session raises it as its own
+        _LOADED = exc
+    gc.collect()
+    threads = _threads()
+    if threads > 1 or ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
+        link.send(("unsafe", f"{threads} threads ran after it unpickled the loader"))
+        return
+    gc.freeze()  # a session's collections leave the loader's objects' pages alone
+    _STATE = (os.getcwd(), list(sys.path))
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    # Bare descriptors from here on: a Connection object left in a session (forked
+    # with this frame) would close its number again when collected.
+    alive_fd = os.dup(alive.fileno())
+    alive.close()
+    link.send(("ready", os.getpid()))
+    link.close()
+    multiprocessing.forkserver.main(listener.detach(), alive_fd, [])
+
+
+class _Server(multiprocessing.forkserver.ForkServer):
+    """The host's side of a base: multiprocessing's forkserver client, aimed at it."""
+
+    def __init__(self, address: str, alive_fd: int, proc: Any) -> None:
+        super().__init__()
+        self._forkserver_address = address
+        self._forkserver_alive_fd = alive_fd
+        self._proc = proc
+
+    def ensure_running(self) -> None:
+        if not self._proc.is_alive():
+            raise BaseUnsafe(f"the fork base (pid {self._proc.pid}) is gone")
+
+
+class _Popen(multiprocessing.popen_forkserver.Popen):
+    """multiprocessing's forkserver ``Popen``, asking a base instead of its forkserver
+    (``_launch`` is the standard library's, with ``self._server`` for the module's)."""
+
+    def __init__(self, process_obj: Any, server: _Server) -> None:
+        self._server = server
+        super().__init__(process_obj)
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        multiprocessing.context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            multiprocessing.context.set_spawning_popen(None)
+        self.sentinel, w = self._server.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)
+        self.finalizer = multiprocessing.util.Finalize(
+            self, multiprocessing.util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
+
+
+class _Process(multiprocessing.context.ForkServerProcess):
+    """A process forked from a base (``server``; not pickled to the child)."""
+
+    def __init__(self, server: _Server, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._server = server
+
+    def _Popen(self, process_obj: Any) -> _Popen:  # noqa: N802 - multiprocessing's name
+        return _Popen(process_obj, self._server)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_server", None)
+        return state
+
+
+class ForkBase:
+    """The host's handle on one base. :meth:`start` blocks (run it on a thread)."""
+
+    def __init__(self, ctx: Any, key: str) -> None:
+        self.key = key
+        self.sessions = 0  # live sessions forked from it (the host's count)
+        self._ctx = ctx
+        self._proc: Any = None
+        self._alive: Connection | None = None
+        self._server: _Server | None = None
+        self._lock = threading.Lock()
+
+    def start(self, data: Any, prepare: Callable[[], None], load: Callable[[bytes], Any],
+              timeout: float = _READY_S) -> None:
+        """Fork the base, hand it ``data`` (the pickled loader, a bytes-like object) and
+        wait until ``load(data)`` is done there (after ``prepare()``; both pickled by
+        reference); raises :class:`BaseUnsafe` when it cannot be used (then nothing is
+        left running)."""
+        address = connection.arbitrary_address("AF_UNIX")
+        alive_r, alive_w = self._ctx.Pipe(duplex=False)
+        link, base_link = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_base_main, name=f"dpex-fork-base-{self.key[:8]}",
+                                 daemon=True, args=(address, alive_r, base_link, prepare, load))
+        proc.start()
+        alive_r.close()
+        base_link.close()
+        try:
+            link.send_bytes(data)  # (from the object store's copy: nothing kept here)
+            said = link.recv() if link.poll(timeout) else ("unsafe", "no answer")
+        except (EOFError, OSError):
+            proc.join(1.0)
+            said = ("unsafe", f"it died with exit code {proc.exitcode}")
+        finally:
+            link.close()
+        if said[0] != "ready":
+            alive_w.close()
+            proc.join(5.0)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5.0)
+            raise BaseUnsafe(f"dpex fork base for this loader: {said[1]}")
+        with self._lock:
+            self._proc, self._alive = proc, alive_w
+            self._server = _Server(address, alive_w.fileno(), proc)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def alive(self) -> bool:
+        with self._lock:
+            return self._proc is not None and self._proc.is_alive()
+
+    def process(self, **kwargs: Any) -> Any:
+        """A ``multiprocessing.Process`` to be forked from this base."""
+        if self._server is None:
+            raise BaseUnsafe("dpex fork base not started")
+        return _Process(self._server, **kwargs)
+
+    def stop(self) -> None:
+        """Let the base end: once its sessions have ended it exits (idempotent)."""
+        with self._lock:
+            alive, self._alive = self._alive, None
+            proc = self._proc
+        if alive is not None:
+            alive.close()
+        if proc is not None and not proc.is_alive():
+            proc.join(0)
