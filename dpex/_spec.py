@@ -153,3 +153,5 @@ class WorkerSpec:
     # Which shipped loader this is (its object ref's id): a host's sessions of the same
     # one fork from one process that holds it unpickled (dpex.server._fork_base).
     shipment: str | None = None
+    # The shipment this one replaces (its loader's dataset changed): a host drops it.
+    replaces: str | None = None

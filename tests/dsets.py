@@ -533,3 +533,26 @@ class BulkyPositionedShards(PositionedShards):
 
     def state_dict(self):
         return {**super().state_dict(), "blob": b"x" * self.blob}
+
+
+class Rows(Dataset):
+    """Rows of a tensor the dataset holds in memory (``mib`` MiB of float32)."""
+
+    def __init__(self, mib: int, width: int = 256) -> None:
+        self.data = torch.arange(mib * 2**20 // 4, dtype=torch.float32).reshape(-1, width)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i].clone()
+
+
+def private_mib(pid: int) -> float:
+    """The pages only ``pid`` holds (what its exit would free), in MiB."""
+    kib = 0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                kib += int(line.split()[1])
+    return kib / 1024

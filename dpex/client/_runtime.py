@@ -89,17 +89,19 @@ class Runtime:
         self.loop.stop(cleanup=self.session.close)
 
 
-def ship(loader: Any, shipped: bytes) -> tuple[Any, bool]:
+def ship(loader: Any, shipped: bytes) -> tuple[Any, bool, str | None]:
     """The object store's copy of ``shipped`` (kept: replacements load the same object),
-    and whether it is the loader's previous iterator's (the same bytes: its workers'
-    nodes hold it already, nothing is put or moved again)."""
+    whether it is the loader's previous iterator's (the same bytes: its workers'
+    nodes hold it already, nothing is put or moved again), and else the id of the one
+    it replaces (hosts drop what they hold of that one: a changed dataset is never
+    served again)."""
     digest = hashlib.blake2b(shipped, digest_size=16).digest()
     previous = getattr(loader, "_shipped", None)
     if previous is not None and previous[0] == digest:
-        return previous[1], True
+        return previous[1], True, None
     ref = ray.put(shipped)
     loader._shipped = (digest, ref)
-    return ref, False
+    return ref, False, None if previous is None else previous[1].hex()
 
 
 @dataclasses.dataclass(frozen=True)

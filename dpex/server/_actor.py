@@ -34,6 +34,8 @@ __all__ = ["DpexWorker", "SessionWorker"]
 
 logger = logging.getLogger("dpex")
 
+IDLE_BASES = 3  # fork bases a worker keeps while no session uses them (the latest ones)
+
 
 def _placement() -> dict:
     import ray
@@ -95,7 +97,7 @@ class DpexWorker:
         # Fork bases by shipment: a start in progress (a future of a ForkBase, or of
         # None where the loader cannot be shared: its sessions unpickle it each).
         self._bases: dict[str, asyncio.Future] = {}
-        self._latest: str | None = None  # the shipment a session last asked for
+        self._recent: list[str] = []  # shipments sessions asked for, the latest last
         if pooled or host:
             self._start_forkserver()
 
@@ -189,6 +191,8 @@ class DpexWorker:
         base: ForkBase | None = None
         child: SessionProcess | None = None
         try:
+            if spec.replaces in self._recent:  # a changed dataset's: not kept idle
+                self._recent.remove(spec.replaces)
             base = await self._base_for(spec.shipment, shipped)
             if base is not None:
                 base.sessions += 1
@@ -218,7 +222,9 @@ class DpexWorker:
         there is none or it died; None when it cannot be used."""
         if key is None:
             return None
-        self._latest = key
+        if key in self._recent:
+            self._recent.remove(key)
+        self._recent.append(key)
         pending = self._bases.get(key)
         if pending is not None and pending.done():
             failed = pending.exception() is not None
@@ -234,10 +240,13 @@ class DpexWorker:
         return await asyncio.shield(pending)
 
     def _retire_bases(self) -> None:
-        """Stop the fork bases no session uses, but the latest shipment's (its trainer's
-        next iterator forks from it when the dataset is unchanged)."""
+        """Stop the fork bases no session uses, but those of the ``IDLE_BASES`` latest
+        shipments (a trainer's next iterators fork from them while its datasets are
+        unchanged: a train and a validation loader take turns)."""
+        keep = set(self._recent[-IDLE_BASES:])
+        del self._recent[:-IDLE_BASES]
         for key, pending in list(self._bases.items()):
-            if key == self._latest or not pending.done() or pending.exception() is not None:
+            if key in keep or not pending.done() or pending.exception() is not None:
                 continue
             base = pending.result()
             if base is None or base.sessions == 0:

@@ -1,0 +1,88 @@
+"""A worker host per node (issue 40): the node's workers are forks of one process that
+holds the dataset, so a worker costs its own pages, not a copy of the dataset; a
+killed worker process or a killed host is replaced and the epoch stays exact."""
+
+import os
+import signal
+import time
+
+import dsets
+import pytest
+import torch
+from dsets import assert_same
+
+from dpex import DpexDataLoader
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
+
+
+def ready(it, n):
+    deadline = time.monotonic() + 60
+    while len(it._ready) < n and time.monotonic() < deadline:
+        it._driver.receive_one()
+    assert len(it._ready) == n
+    return it._ready
+
+
+def test_a_nodes_workers_share_one_copy_of_the_dataset():
+    """Three workers of a loader over a 64 MiB dataset hold less than one copy of it
+    privately between them (before, each unpickled a copy of its own: >= 64 MiB each)."""
+    dataset = dsets.Rows(64)
+    loader = DpexDataLoader(dataset, batch_size=64, num_workers=3, distribute_mode=True)
+    it = iter(loader)
+    batches = [next(it) for _ in range(12)]
+    assert torch.equal(batches[5], dataset.data[5 * 64:6 * 64])
+    info = ready(it, 3)
+    assert len({w["pid"] for w in info.values()}) == 1  # one host ...
+    sessions = [w["session_pid"] for w in info.values()]
+    assert len(set(sessions)) == 3  # ... and a process of its own for each worker
+    private = [dsets.private_mib(pid) for pid in sessions]
+    assert sum(private) < 64, private
+    loader.close()
+
+
+def test_a_killed_worker_process_is_forked_again_and_the_epoch_stays_exact():
+    kw = {"batch_size": 2, "shuffle": True, "num_workers": 2}
+    dataset = dsets.Squares(200, max_sleep=0.005)
+    torch.manual_seed(5)
+    expected = list(dsets.torch_loader(dataset, **kw))
+    torch.manual_seed(5)
+    it = iter(DpexDataLoader(dataset, distribute_mode=True, timeout=60, **kw))
+    got = [next(it) for _ in range(5)]
+    info = dict(ready(it, 2))
+    os.kill(info[1]["session_pid"], signal.SIGKILL)
+    started = time.monotonic()
+    got += list(it)
+    assert_same(expected, got, "epoch")
+    stats = it.stats()
+    assert stats["dropped"]["restarted"] == 1, stats
+    recovery = stats["recoveries"][0]
+    assert recovery["ready_at"] - recovery["reported_at"] < 5.0, recovery  # a fork
+    assert recovery["ready_at"] > started - 60
+    replacement = stats["workers"][1]
+    assert replacement["pid"] == info[1]["pid"]  # on the same host
+    assert replacement["session_pid"] != info[1]["session_pid"]
+
+
+def test_a_killed_host_loses_its_workers_which_move_to_a_new_host_uncharged():
+    """SIGKILL of the host: every worker on it is lost with it, not by a fault of its
+    own; they are replaced on a new host (max_worker_restarts=0 still passes) and the
+    epoch stays exact; the old host's processes are all gone."""
+    kw = {"batch_size": 2, "shuffle": True, "num_workers": 2}
+    dataset = dsets.Squares(200, max_sleep=0.005)
+    torch.manual_seed(6)
+    expected = list(dsets.torch_loader(dataset, **kw))
+    torch.manual_seed(6)
+    it = iter(DpexDataLoader(dataset, distribute_mode=True, timeout=60,
+                             max_worker_restarts=0, **kw))
+    got = [next(it) for _ in range(5)]
+    info = dict(ready(it, 2))
+    host = info[0]["pid"]
+    tree = [host, *dsets.descendants(host)]  # its forkserver, fork base and sessions
+    os.kill(host, signal.SIGKILL)
+    got += list(it)
+    assert_same(expected, got, "epoch")
+    stats = it.stats()
+    assert stats["dropped"]["moved"] == 2, stats
+    assert {w["pid"] for w in stats["workers"].values()} != {host}
+    assert dsets.wait_gone(tree, 20.0) == []
