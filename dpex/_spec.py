@@ -150,7 +150,7 @@ class WorkerSpec:
     # worker_seeding="per_sample": the seed every sample's is made from (tasks come as
     # Positioned); None: not seeded per sample.
     sample_seed: int | None = None
-    # Which shipped loader this is (its object ref's id): a host's sessions of the same
+    # Which shipped loader this is (its bytes' digest): a host's sessions of the same
     # one fork from one process that holds it unpickled (dpex.server._fork_base).
     shipment: str | None = None
     # The shipment this one replaces (its loader's dataset changed): a host drops it.

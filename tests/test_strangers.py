@@ -7,7 +7,6 @@ import dataclasses
 import queue
 import threading
 import time
-import weakref
 
 import pytest
 import torch
@@ -29,7 +28,6 @@ from dpex._transport import encode_data
 from dpex.client._events import WorkerHello
 from dpex.client._session import TrainerSession
 from dpex.server._actor import DpexWorker
-from dpex.server._session import SessionServer
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
@@ -208,19 +206,14 @@ async def test_a_replayed_or_reordered_control_message_is_rejected_and_counted()
 
 def bare_worker(session_timeout: float) -> DpexWorker:
     """A DpexWorker without Ray (its placement made up), to drive ``serve`` directly."""
-    worker = DpexWorker.__new__(DpexWorker)
-    worker.session_timeout = session_timeout
-    worker.placement = {"node_id": "f" * 56, "node_ip": "127.0.0.1", "pid": 1}
-    worker._ray_view = None  # (no cluster for its sessions' Ray calls)
-    worker.draining, worker._forkserver = False, None
-    worker._sessions, worker._children = set(), set()
-    worker._computes = weakref.WeakSet()
-    worker._lock = threading.Lock()
-    worker._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
-                        "control_rejected": 0}
-    worker._server = SessionServer(worker.placement, session_timeout, worker._count,
-                                   worker._count_rejected, worker._sessions, worker._computes)
-    return worker
+    from unittest import mock
+
+    from dpex.server import _actor
+
+    placement = {"node_id": "f" * 56, "node_ip": "127.0.0.1", "pid": 1}
+    with mock.patch.object(_actor, "_placement", lambda: placement), \
+            mock.patch.object(_actor, "_ray_view", lambda own_job: None):  # (no cluster)
+        return DpexWorker(session_timeout)
 
 
 @pytest.mark.asyncio

@@ -128,9 +128,10 @@ class EpochDriver:
                 time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
                 lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
             # (kept: replacements load the same object)
-            ref, reused, *replaces = ship()
-            if replaces and replaces[0]:  # the loader's dataset changed: hosts drop the old
-                self.specs = [dataclasses.replace(s, replaces=replaces[0]) for s in self.specs]
+            ref, reused, *keys = ship()
+            if keys:  # (the shipment's digest, and the one it replaces: see ship())
+                self.specs = [dataclasses.replace(s, replaces=keys[0], shipment=keys[1])
+                              for s in self.specs]
             self.shipped = Shipment(ref, reused, shipped_bytes)
             runtime.workers.start(self.specs, ref)
         except BaseException:

@@ -89,19 +89,20 @@ class Runtime:
         self.loop.stop(cleanup=self.session.close)
 
 
-def ship(loader: Any, shipped: bytes) -> tuple[Any, bool, str | None]:
+def ship(loader: Any, shipped: bytes) -> tuple[Any, bool, str | None, str]:
     """The object store's copy of ``shipped`` (kept: replacements load the same object),
     whether it is the loader's previous iterator's (the same bytes: its workers'
-    nodes hold it already, nothing is put or moved again), and else the id of the one
-    it replaces (hosts drop what they hold of that one: a changed dataset is never
-    served again)."""
+    nodes hold it already, nothing is put or moved again), the digest of the one it
+    replaces if the dataset changed (hosts drop what they hold of that one: it is never
+    served again), and its own digest (hosts hold one unpickled copy per digest: a
+    loader Lightning rebuilds with the same dataset finds it there)."""
     digest = hashlib.blake2b(shipped, digest_size=16).digest()
     previous = getattr(loader, "_shipped", None)
     if previous is not None and previous[0] == digest:
-        return previous[1], True, None
+        return previous[1], True, None, digest.hex()
     ref = ray.put(shipped)
     loader._shipped = (digest, ref)
-    return ref, False, None if previous is None else previous[1].hex()
+    return ref, False, None if previous is None else previous[0].hex(), digest.hex()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,66 @@ _group_ids = itertools.count()
 _EARLY: set[str] = set()  # ids of hosts started early (start_hosts), not yet taken
 
 
+class _SharedHosts:
+    """The hosts this process's live worker groups use, by (options, node): loaders
+    that iterate at once (a validation loop inside a training epoch, two persistent
+    loaders) share their node's host instead of starting one each. The last group to
+    stop hands it to the warm pool."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hosts: dict[tuple[str, str | None], tuple[Any, set[int], str | None]] = {}
+
+    def take(self, key: str, node: str | None, group: int) -> Any | None:
+        job = _job()
+        with self._lock:
+            entry = self._hosts.get((key, node))
+            if entry is None or entry[2] != job:  # (an earlier Ray connection's: gone)
+                return None
+            entry[1].add(group)
+            return entry[0]
+
+    def add(self, key: str, node: str | None, group: int, host: Any) -> None:
+        job = _job()
+        with self._lock:
+            self._hosts[(key, node)] = (host, {group}, job)
+
+    def leave(self, key: str, node: str | None, group: int, host: Any) -> bool:
+        """``group`` no longer uses ``host``; whether it was the last to."""
+        with self._lock:
+            entry = self._hosts.get((key, node))
+            if entry is None or entry[0] is not host:
+                return True  # (forgotten: lost, and another took its place)
+            entry[1].discard(group)
+            if entry[1]:
+                return False
+            del self._hosts[(key, node)]
+            return True
+
+    def has(self, key: str, node: str | None) -> bool:
+        job = _job()
+        with self._lock:
+            entry = self._hosts.get((key, node))
+            return entry is not None and entry[2] == job
+
+    def lost(self, host_id: str) -> None:
+        """A host died: no group takes it again."""
+        with self._lock:
+            for where, (host, _, _) in list(self._hosts.items()):
+                if host._actor_id.hex() == host_id:
+                    del self._hosts[where]
+
+
+def _job() -> str | None:
+    try:
+        return _ray_guard.job_id()
+    except Exception:
+        return None  # Ray shut down
+
+
+_SHARED = _SharedHosts()
+
+
 def live_groups() -> list[WorkerGroup]:
     """The worker groups of this process that have not stopped, oldest first."""
     with _groups_lock:
@@ -85,10 +145,12 @@ def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int,
 
 
 def _shipment(spec: WorkerSpec, shipped: Any) -> WorkerSpec:
-    """``spec`` naming its shipped loader (its object ref's id): a host's sessions of
-    one loader fork from one copy of it."""
+    """``spec`` naming its shipped loader (its digest, else its object ref's id): a
+    host's sessions of one loader fork from one copy of it."""
     hex_id = getattr(shipped, "hex", None)
-    return dataclasses.replace(spec, shipment=hex_id()) if callable(hex_id) else spec
+    if spec.shipment is not None or not callable(hex_id):
+        return spec
+    return dataclasses.replace(spec, shipment=hex_id())
 
 
 class WorkerGroup:
@@ -121,6 +183,7 @@ class WorkerGroup:
         self.keep_s = keep_s if not self.reserving else 0.0
         self._key = _options_key(self.options)
         self._calls: dict[int, Any] = {}  # each worker's serve call
+        self._session_ids: dict[int, bytes | None] = {}  # the iterator's, per worker
         self._hosts: dict[str | None, Any] = {}  # node -> this group's host there
         self._lost: set[str] = set()  # ids of hosts that died (told by their sessions)
         self._reused: set[str] = set()  # ids of hosts taken from the warm pool
@@ -160,6 +223,10 @@ class WorkerGroup:
         host = self._hosts.get(node)
         if host is not None and host._actor_id.hex() not in self._lost:
             return host
+        host = _SHARED.take(self._key, node, self.group_id)
+        if host is not None:  # another live loader's: shared
+            self._hosts[node] = host
+            return host
         host = POOL.take(self._key, node, wait=wait)
         if host is None:
             host = new_host(self._actor_class, self.options, node, self.keep_s)
@@ -168,12 +235,18 @@ class WorkerGroup:
         else:
             self._reused.add(host._actor_id.hex())
         self._hosts[node] = host
+        _SHARED.add(self._key, node, self.group_id, host)
         return host
+
+    def _host_lost(self, host_id: str) -> None:
+        self._lost.add(host_id)
+        _SHARED.lost(host_id)
 
     def _serve(self, actor: Any, spec: WorkerSpec, shipped: ray.ObjectRef,
                node: str | None, host: Any = None) -> None:
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
+        self._session_ids[spec.worker_id] = getattr(spec.wire, "session_id", None)
         if host is not None and host._actor_id.hex() in self._reused:
             self.warm.add(spec.worker_id)
         else:
@@ -181,7 +254,7 @@ class WorkerGroup:
         ref = actor.serve.remote(_shipment(spec, shipped), shipped)
         self._calls[spec.worker_id] = ref
         lost = None if host is None else functools.partial(
-            self._lost.add, host._actor_id.hex())
+            self._host_lost, host._actor_id.hex())
         # Ray fails this reference as soon as the actor dies (process killed, node
         # lost): liveness without polling.
         ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
@@ -243,8 +316,8 @@ class WorkerGroup:
         if actor is None or self._stopped:
             return
         if self.hosted:
-            try:
-                actor.kill_session.remote(worker_id)
+            try:  # (its session's id: a host may serve other loaders' worker ids too)
+                actor.kill_session.remote(worker_id, self._session_ids.get(worker_id))
             except Exception:
                 pass  # its host is gone: its exit comes from that
             return
@@ -282,6 +355,8 @@ class WorkerGroup:
         if self._stopped:
             return
         self._stopped = True
+        last = {node: _SHARED.leave(self._key, node, self.group_id, host)
+                for node, host in self._hosts.items()}
         # It may run on the reaper thread (a dropped iterator) while the user shuts Ray
         # down: its calls never start Ray (dpex._ray_guard).
         if not _ray_guard.ray_up():
@@ -298,8 +373,8 @@ class WorkerGroup:
                 pass  # already finished, or Ray shut down
         self._calls.clear()
         for node, host in self._hosts.items():
-            if host._actor_id.hex() in self._lost:
-                continue
+            if host._actor_id.hex() in self._lost or not last[node]:
+                continue  # (another live loader's still: it hands it on when it stops)
             refs = [ref for actor, ref in calls.values() if actor is host]
             if self.keep_s > 0:
                 POOL.give_back(host, refs, self._key, node, self.keep_s)
@@ -328,7 +403,8 @@ def start_hosts(worker_class: type, ray_remote_args: Mapping[str, Any], num_work
                 keep_s: float) -> int:
     """Start the hosts a loader's first iterator will take, now (when the loader is
     built, Ray running): one per node its workers would spread to, each kept idle in
-    the warm pool for ``keep_s`` s, unless an idle one is there. How many started."""
+    the warm pool for ``keep_s`` s, unless one is there (idle, or serving a live loader
+    of this process, whose host it will share). How many started."""
     options = host_options(ray_remote_args)
     if _placement.reserves(options) or keep_s <= 0 or num_workers <= 0:
         return 0
@@ -336,7 +412,7 @@ def start_hosts(worker_class: type, ray_remote_args: Mapping[str, Any], num_work
     actor_class = ray.remote(worker_class)
     started = 0
     for node in dict.fromkeys(_nodes_for(num_workers)):
-        if not POOL.has_idle(key, node):
+        if not POOL.has_idle(key, node) and not _SHARED.has(key, node):
             host = new_host(actor_class, options, node, keep_s)
             _EARLY.add(host._actor_id.hex())
             POOL.keep_idle(host, key, node, keep_s)

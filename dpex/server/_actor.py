@@ -98,6 +98,7 @@ class DpexWorker:
         # None where the loader cannot be shared: its sessions unpickle it each).
         self._bases: dict[str, asyncio.Future] = {}
         self._recent: list[str] = []  # shipments sessions asked for, the latest last
+        self._starter = _Bases(self._ray_view)
         if pooled or host:
             self._start_forkserver()
 
@@ -148,11 +149,13 @@ class DpexWorker:
             for session in list(self._sessions):
                 session.stop.set()
 
-    def kill_session(self, worker_id: int) -> int:
-        """Kill the process of worker ``worker_id``'s session (its trainer presumes it
-        hung); its ``serve`` call then fails. How many were killed."""
+    def kill_session(self, worker_id: int, session_id: bytes | None = None) -> int:
+        """Kill the process of worker ``worker_id``'s session (of iterator session
+        ``session_id``: its trainer presumes it hung); its ``serve`` call then fails.
+        How many were killed."""
         with self._lock:
-            children = [c for c in self._children if c.worker_id == worker_id]
+            children = [c for c in self._children if c.worker_id == worker_id
+                        and session_id in (None, c.session_id)]
         for child in children:
             child.kill()
         return len(children)
@@ -235,7 +238,7 @@ class DpexWorker:
             self._retire_bases()
             data = shipped.view() if isinstance(shipped, Parcel) else shipped
             pending = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
-                None, _start_base, key, data, self._ray_view))
+                None, self._starter.start, key, data))
             self._bases[key] = pending
         return await asyncio.shield(pending)
 
@@ -279,15 +282,62 @@ def _prepare_base(ray_view: JobView | None, path: list[str]) -> None:
         join_on_first_call(ray_view)
 
 
-def _start_base(key: str, data: Any, ray_view: JobView | None) -> ForkBase | None:
-    """A started fork base for shipment ``key`` (blocking), None if it cannot be used."""
-    base = ForkBase(_context(), key)
-    try:
-        base.start(data, functools.partial(_prepare_base, ray_view, list(sys.path)), _load)
-    except BaseUnsafe as exc:
-        logger.warning("%s: each session unpickles the dataset itself", exc)
-        return None
-    return base
+def _import_libraries(data: bytes) -> None:
+    """A library base's load: import the modules named in ``data`` (one per line)."""
+    from dpex.server._forkserver_preload import _import_all
+
+    _import_all(data.decode().split())
+
+
+class _Bases:
+    """How a worker starts its fork bases: from a *library base* (a process forked from
+    the forkserver that imported the installed libraries earlier bases' loaders
+    imported: Lightning's ``worker_init_fn`` imports Lightning, ~7 s of CPU here), so
+    that a new dataset's base does not import them again; from the forkserver while
+    there is none (or it would leave threads running: then never)."""
+
+    def __init__(self, ray_view: JobView | None) -> None:
+        self._ray_view = ray_view
+        self._lock = threading.Lock()  # (bases start on executor threads)
+        self._libraries: dict[str, None] = {}  # in import order
+        self._parent: ForkBase | None = None
+        self._parent_has = 0  # how many of _libraries it imported
+        self._refused = False
+
+    def _prepare(self) -> Any:
+        return functools.partial(_prepare_base, self._ray_view, list(sys.path))
+
+    def _library_base(self) -> ForkBase | None:
+        with self._lock:
+            if self._refused or len(self._libraries) == self._parent_has:
+                return self._parent
+            names = list(self._libraries)
+            old, self._parent = self._parent, None
+        if old is not None:
+            old.stop()  # (the bases forked from it live on)
+        parent = ForkBase(_context(), "libraries")
+        try:
+            parent.start("\n".join(names).encode(), self._prepare(), _import_libraries)
+        except BaseUnsafe as exc:
+            logger.info("dpex: %s; fork bases start from the forkserver", exc)
+            with self._lock:
+                self._refused = True
+            return None
+        with self._lock:
+            self._parent, self._parent_has = parent, len(names)
+        return parent
+
+    def start(self, key: str, data: Any) -> ForkBase | None:
+        """A started fork base for shipment ``key`` (blocking), None if it cannot be used."""
+        base = ForkBase(_context(), key, parent=self._library_base())
+        try:
+            base.start(data, self._prepare(), _load)
+        except BaseUnsafe as exc:
+            logger.warning("%s: each session unpickles the dataset itself", exc)
+            return None
+        with self._lock:
+            self._libraries.update(dict.fromkeys(base.libraries))
+        return base
 
 
 class SessionWorker:

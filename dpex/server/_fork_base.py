@@ -42,8 +42,9 @@ import multiprocessing.util
 import os
 import socket
 import sys
+import sysconfig
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing import connection, reduction, spawn
 from multiprocessing.connection import Connection
 from typing import Any
@@ -96,6 +97,24 @@ def enter_base_state() -> None:
             pass  # gone since: stay where the host is
 
 
+def libraries_since(before: Iterable[str]) -> list[str]:
+    """The modules imported since ``before`` (names) that belong to installed libraries
+    (the standard library's and site-packages' directories, never ``__main__`` or the
+    user's own code), in the order they were imported."""
+    paths = sysconfig.get_paths()
+    roots = tuple({os.path.join(os.path.realpath(paths[k]), "")
+                   for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths})
+    before = set(before)
+    names = []
+    for name, module in list(sys.modules.items()):
+        if name in before or name in ("__main__", "__mp_main__"):
+            continue
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and os.path.realpath(file).startswith(roots):
+            names.append(name)
+    return names
+
+
 def _threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -110,6 +129,7 @@ def _base_main(address: str, alive: Connection, link: Connection,
     reaches its end."""
     global _LOADED, _STATE
     prepare()  # (as the host started, not as its forkserver did)
+    before = set(sys.modules)
     try:
         _LOADED = load(link.recv_bytes())
     except BaseException as exc:  # noqa: BLE001 - each session raises it as its own
@@ -129,7 +149,7 @@ def _base_main(address: str, alive: Connection, link: Connection,
     # with this frame) would close its number again when collected.
     alive_fd = os.dup(alive.fileno())
     alive.close()
-    link.send(("ready", os.getpid()))
+    link.send(("ready", libraries_since(before)))
     link.close()
     multiprocessing.forkserver.main(listener.detach(), alive_fd, [])
 
@@ -193,10 +213,14 @@ class _Process(multiprocessing.context.ForkServerProcess):
 class ForkBase:
     """The host's handle on one base. :meth:`start` blocks (run it on a thread)."""
 
-    def __init__(self, ctx: Any, key: str) -> None:
+    def __init__(self, ctx: Any, key: str, parent: ForkBase | None = None) -> None:
+        """Forked from ``parent`` (a base that imported libraries), else from ``ctx``'s
+        forkserver."""
         self.key = key
         self.sessions = 0  # live sessions forked from it (the host's count)
+        self.libraries: list[str] = []  # what loading imported from installed libraries
         self._ctx = ctx
+        self._parent = parent
         self._proc: Any = None
         self._alive: Connection | None = None
         self._server: _Server | None = None
@@ -211,8 +235,9 @@ class ForkBase:
         address = connection.arbitrary_address("AF_UNIX")
         alive_r, alive_w = self._ctx.Pipe(duplex=False)
         link, base_link = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_base_main, name=f"dpex-fork-base-{self.key[:8]}",
-                                 daemon=True, args=(address, alive_r, base_link, prepare, load))
+        start = self._ctx.Process if self._parent is None else self._parent.process
+        proc = start(target=_base_main, name=f"dpex-fork-base-{self.key[:8]}", daemon=True,
+                     args=(address, alive_r, base_link, prepare, load))
         proc.start()
         alive_r.close()
         base_link.close()
@@ -234,6 +259,7 @@ class ForkBase:
         with self._lock:
             self._proc, self._alive = proc, alive_w
             self._server = _Server(address, alive_w.fileno(), proc)
+            self.libraries = list(said[1])
 
     @property
     def pid(self) -> int | None:

@@ -23,14 +23,13 @@ import os
 import shutil
 import stat
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from dpex.server._fork_base import PRELOADED, ForkBase, enter_base_state
+from dpex.server._fork_base import PRELOADED, ForkBase, enter_base_state, libraries_since
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
@@ -142,17 +141,7 @@ def library_modules() -> list[str]:
     they were imported; none with ``DPEX_FORKSERVER_PRELOAD=0``."""
     if os.environ.get(PRELOAD_LIBRARIES, "1") == "0":
         return []
-    paths = sysconfig.get_paths()
-    roots = tuple({os.path.join(os.path.realpath(paths[k]), "")
-                   for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths})
-    names = []
-    for name, module in list(sys.modules.items()):
-        if name in _START_MODULES or name in ("__main__", "__mp_main__"):
-            continue
-        file = getattr(module, "__file__", None)
-        if isinstance(file, str) and os.path.realpath(file).startswith(roots):
-            names.append(name)
-    return names
+    return libraries_since(_START_MODULES)
 
 
 def _preload_file(names: list[str]) -> str | None:
@@ -195,6 +184,7 @@ class SessionProcess:
             args=(worker_class, spec, shipped, placement, session_timeout, self.counts,
                   child_end, ray_view, None if base is not None else _START_STATE))
         self.worker_id = spec.worker_id
+        self.session_id = getattr(spec.wire, "session_id", None)
         self._lock = threading.Lock()  # start and stop run on executor threads
         self._stopped = False
         self._outcome: BaseException | None = None
