@@ -86,3 +86,17 @@ def test_a_killed_host_loses_its_workers_which_move_to_a_new_host_uncharged():
     assert stats["dropped"]["moved"] == 2, stats
     assert {w["pid"] for w in stats["workers"].values()} != {host}
     assert dsets.wait_gone(tree, 20.0) == []
+
+
+def test_loaders_iterating_at_once_share_their_nodes_host():
+    """A validation loop inside a training epoch: both loaders' workers are sessions on
+    one host (before: a host each, each with its interpreter and forkserver)."""
+    train = DpexDataLoader(dsets.Squares(40), batch_size=2, num_workers=2, distribute_mode=True)
+    val = DpexDataLoader(dsets.Squares(12), batch_size=2, num_workers=1, distribute_mode=True)
+    it = iter(train)
+    first = next(it)
+    assert_same(list(dsets.torch_loader(dsets.Squares(12), batch_size=2)), list(val))
+    hosts = {w["pid"] for w in ready(it, 2).values()}
+    hosts |= {w["pid"] for w in val.stats()["workers"].values()}
+    assert len(hosts) == 1, hosts
+    assert_same(list(dsets.torch_loader(dsets.Squares(40), batch_size=2)), [first, *it])
