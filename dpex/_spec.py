@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from dpex._protocol import Wire
 from dpex._security import ClientKeys
+from dpex._shipfile import ShipmentRef
 from dpex._shm import RingRef
 
 __all__ = ["Parcel", "PickledLoader", "Positioned", "ShippedLoader", "WorkerSpec", "own_state",
@@ -155,3 +156,6 @@ class WorkerSpec:
     shipment: str | None = None
     # The shipment this one replaces (its loader's dataset changed): a host drops it.
     replaces: str | None = None
+    # A host on the trainer's node: the trainer's memfd holding the pickled loader
+    # (then the serve call carries no copy of it; dpex._shipfile).
+    local: ShipmentRef | None = None

@@ -100,3 +100,22 @@ def test_loaders_iterating_at_once_share_their_nodes_host():
     hosts |= {w["pid"] for w in val.stats()["workers"].values()}
     assert len(hosts) == 1, hosts
     assert_same(list(dsets.torch_loader(dsets.Squares(40), batch_size=2)), [first, *it])
+
+
+def test_the_trainer_keeps_no_copy_of_the_dataset_once_its_workers_started():
+    """On the trainer's node the pickled loader crosses through a memfd, which the host's
+    fork base reads once; the trainer closes it once every worker said hello. Nothing
+    goes to Ray's object store (whose pages stay written for the Ray instance's life),
+    and the next iterator of the unchanged dataset forks from the base it left."""
+    from test_shipfile import memfds
+
+    loader = DpexDataLoader(dsets.Rows(8), batch_size=64, num_workers=2, distribute_mode=True)
+    it = iter(loader)
+    next(it)
+    ready(it, 2)
+    assert memfds() == [] and loader._shipped[1] is None  # no memfd, no stored copy
+    assert len(list(it)) == 127  # (8 MiB: 8,192 rows of 1 KiB)
+    second = iter(loader)
+    assert len([next(second), *second]) == 128
+    assert loader.stats()["dataset_reused"] and loader._shipped[1] is None
+    loader.close()

@@ -107,6 +107,7 @@ class EpochDriver:
         self._free_resources = free_resources
         self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
         self._wait_from: float | None = None  # when the wait for the next event began
+        self._started: set[int] = set()  # workers that said HELLO
         try:
             runtime.open()
             self.specs = [
@@ -331,6 +332,11 @@ class EpochDriver:
                 "versions on every node"
             ))
         self.apply(self.sched.ready(hello.worker_id, hello.info))
+        self._started.add(hello.worker_id)
+        if len(self._started) >= self.start_count:  # each read the dataset: let it go
+            release = getattr(self.shipped.ref, "release_local", None)
+            if release is not None:
+                release()
 
     def _on_exit(self, exit_: WorkerExit) -> None:
         if self.runtime.closed:

@@ -81,11 +81,12 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             # As torch: DataPipes are sharded across ranks and workers before worker_init_fn.
             worker_init_fn = functools.partial(
                 _sharding_worker_init_fn, worker_init_fn, self._world_size, self._rank)
-        shipped = ship_loader(ShippedLoader(
+        pickle_again = functools.partial(ship_loader, ShippedLoader(
             dataset=self._dataset, dataset_kind=self._dataset_kind,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
             drop_last=self._drop_last, worker_init_fn=worker_init_fn,
         ), fleet=config.worker_pool is not None)
+        shipped = pickle_again()
         handoff: queue.SimpleQueue = queue.SimpleQueue()
         number = next(_iterator_ids)
         label = f"iterator {number} of a DpexDataLoader over {type(self._dataset).__name__}"
@@ -101,11 +102,13 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                                   iterable and stateful_dataset(self._dataset), plan.shards)
         self._driver = EpochDriver(
             runtime, handoff, config, plan, Seeds(self._base_seed, self._shared_seed),
-            ship=functools.partial(ship, loader, shipped), shipped_bytes=len(shipped),
+            ship=functools.partial(ship, loader, shipped, pickle_again),
+            shipped_bytes=len(shipped),
             node_id=ray.get_runtime_context().get_node_id(),
             prefetch_factor=loader.prefetch_factor,
             in_order=loader.in_order, iterable=iterable, timeout=self._timeout,
             on_stop=self._shutdown_workers, on_scaled=_scaled(self._loader_ref))
+        del shipped  # (the delivery holds its own copy, until its workers have started)
         self._reset(loader, first_iter=True)
 
     # -- epochs --------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import queue
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import ray
@@ -19,7 +20,8 @@ from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._protocol import Wire
 from dpex._security import wire_security
-from dpex._spec import WorkerSpec
+from dpex._shipfile import Delivery
+from dpex._spec import PickledLoader, WorkerSpec
 from dpex.client._events import LoopFailure
 from dpex.client._session import TrainerSession
 from dpex.client._workers import FleetGroup, WorkerGroup
@@ -89,20 +91,35 @@ class Runtime:
         self.loop.stop(cleanup=self.session.close)
 
 
-def ship(loader: Any, shipped: bytes) -> tuple[Any, bool, str | None, str]:
-    """The object store's copy of ``shipped`` (kept: replacements load the same object),
-    whether it is the loader's previous iterator's (the same bytes: its workers'
-    nodes hold it already, nothing is put or moved again), the digest of the one it
+def _store(data: Any, refs: tuple) -> Any:
+    """The object store's copy of a pickled loader (see :class:`PickledLoader`)."""
+    return ray.put(data if isinstance(data, PickledLoader) else PickledLoader(data, refs=refs))
+
+
+def ship(loader: Any, shipped: Any, repickle: Callable[[], Any]) -> tuple[Delivery, bool,
+                                                                          str | None, str]:
+    """The iterator's :class:`~dpex._shipfile.Delivery` of ``shipped`` (a memfd for the
+    hosts on this node, Ray's object store for the others: kept, replacements load the
+    same bytes), whether it is the loader's previous iterator's (the same bytes: its
+    hosts hold it already, nothing is put or moved again), the digest of the one it
     replaces if the dataset changed (hosts drop what they hold of that one: it is never
     served again), and its own digest (hosts hold one unpickled copy per digest: a
-    loader Lightning rebuilds with the same dataset finds it there)."""
+    loader Lightning rebuilds with the same dataset finds it there). ``repickle()``:
+    the loader pickled again, for a worker started after the memfd was closed."""
     digest = hashlib.blake2b(shipped, digest_size=16).digest()
     previous = getattr(loader, "_shipped", None)
-    if previous is not None and previous[0] == digest:
-        return previous[1], True, None, digest.hex()
-    ref = ray.put(shipped)
-    loader._shipped = (digest, ref)
-    return ref, False, None if previous is None else previous[0].hex(), digest.hex()
+    reused = previous is not None and previous[0] == digest
+    loader._shipped = (digest, previous[1] if reused else None)
+
+    def stored(ref: Any) -> None:  # the loader's next iterator reuses this copy
+        if loader._shipped is not None and loader._shipped[0] == digest:
+            loader._shipped = (digest, ref)
+
+    delivery = Delivery(shipped, ray.get_runtime_context().get_node_id(), digest,
+                        stored=loader._shipped[1], put=_store, repickle=repickle,
+                        on_stored=stored)
+    replaced = previous[0].hex() if previous is not None and not reused else None
+    return delivery, reused, replaced, digest.hex()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +133,8 @@ class Seeds:
 
 @dataclasses.dataclass(frozen=True)
 class Shipment:
-    """The shipped loader in the object store: its reference, whether it is the
-    loader's previous iterator's copy, and its size."""
+    """The shipped loader: its delivery (:class:`~dpex._shipfile.Delivery`), whether it
+    is the loader's previous iterator's, and its size."""
 
     ref: Any
     reused: bool

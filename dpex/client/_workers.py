@@ -23,6 +23,7 @@ import ray
 
 from dpex import _cluster, _placement, _ray_guard
 from dpex._fleet_registry import choose_workers
+from dpex._shipfile import Delivery
 from dpex._spec import WorkerSpec
 from dpex.client._events import WorkerExit
 from dpex.client._warm import POOL
@@ -153,6 +154,22 @@ def _shipment(spec: WorkerSpec, shipped: Any) -> WorkerSpec:
     return dataclasses.replace(spec, shipment=hex_id())
 
 
+def _deliver(spec: WorkerSpec, shipped: Any, node: str | None,
+             local: bool) -> tuple[WorkerSpec, Any]:
+    """What a worker's ``serve`` call gets: one of the iterator's first workers on a host
+    (``local``) on the trainer's node (``node``) reads the memfd while it is open
+    (nothing else is sent), before it says HELLO (once every first worker did, the
+    trainer closes it); any other worker (a replacement, an added worker, one on
+    another node or of its own actor) gets the object store's copy
+    (:class:`~dpex._shipfile.Delivery`)."""
+    if not isinstance(shipped, Delivery):
+        return spec, shipped  # (an object ref as is: a test's, or a fleet's)
+    # (``None``: the cluster has one node, which the trainer runs on)
+    if local and node in (None, shipped.node_id) and shipped.local is not None:
+        return dataclasses.replace(spec, local=shipped.local), None
+    return spec, shipped.object_ref()
+
+
 class WorkerGroup:
     """The workers of one iterator. ``stop()`` is idempotent and ends them all.
 
@@ -189,6 +206,7 @@ class WorkerGroup:
         self._reused: set[str] = set()  # ids of hosts taken from the warm pool
         self.warm: set[int] = set()  # worker ids served on a host from the warm pool
         self._stopped = False
+        self._starting = False
         with _groups_lock:
             _GROUPS.add(self)
 
@@ -202,8 +220,12 @@ class WorkerGroup:
             _cluster.check_placeable(self.user_args, len(specs))
         self._actor_class = ray.remote(self.worker_class)
         nodes = _nodes_for(len(specs)) if self.hosted else [None] * len(specs)
-        for spec, node in zip(specs, nodes, strict=True):
-            self._start_one(spec, shipped, node, wait=True)
+        self._starting = True  # (these read the trainer's memfd before they say HELLO)
+        try:
+            for spec, node in zip(specs, nodes, strict=True):
+                self._start_one(spec, shipped, node, wait=True)
+        finally:
+            self._starting = False
 
     def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None,
                    wait: bool = False) -> None:
@@ -242,8 +264,9 @@ class WorkerGroup:
         self._lost.add(host_id)
         _SHARED.lost(host_id)
 
-    def _serve(self, actor: Any, spec: WorkerSpec, shipped: ray.ObjectRef,
+    def _serve(self, actor: Any, spec: WorkerSpec, shipped: Any,
                node: str | None, host: Any = None) -> None:
+        spec, shipped = _deliver(spec, shipped, node, host is not None and self._starting)
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
         self._session_ids[spec.worker_id] = getattr(spec.wire, "session_id", None)
@@ -498,6 +521,7 @@ class FleetGroup:
 
     def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, actor: Any) -> None:
         self.actors[spec.worker_id] = actor
+        spec, shipped = _deliver(spec, shipped, None, False)
         ref = actor.serve.remote(_shipment(spec, shipped), shipped)
         self._calls[spec.worker_id] = ref
         ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpex._spec import Parcel, WorkerSpec
 from dpex._version import local_versions
+from dpex.errors import WorkerStartupError
 from dpex.server._fork_base import BaseUnsafe, ForkBase
 from dpex.server._session import Session, SessionServer
 from dpex.server._session_process import (
@@ -196,6 +197,12 @@ class DpexWorker:
         try:
             if spec.replaces in self._recent:  # a changed dataset's: not kept idle
                 self._recent.remove(spec.replaces)
+            if shipped is None:  # on the trainer's node: its memfd (dpex._shipfile)
+                shipped = spec.local
+                if shipped is not None and shipped.node_id != self.placement["node_id"]:
+                    raise WorkerStartupError(
+                        f"the trainer's copy of the dataset is on node {shipped.node_id}, "
+                        f"this worker on {self.placement['node_id']}")
             base = await self._base_for(spec.shipment, shipped)
             if base is not None:
                 base.sessions += 1
@@ -237,6 +244,8 @@ class DpexWorker:
         if pending is None:
             self._retire_bases()
             data = shipped.view() if isinstance(shipped, Parcel) else shipped
+            if data is None:
+                raise WorkerStartupError("no copy of the dataset reached this worker")
             pending = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
                 None, self._starter.start, key, data))
             self._bases[key] = pending

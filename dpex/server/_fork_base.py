@@ -49,6 +49,8 @@ from multiprocessing import connection, reduction, spawn
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dpex._shipfile import ShipmentRef, read_shipment
+
 __all__ = ["ForkBase", "PRELOADED", "BaseUnsafe", "preloaded", "enter_base_state"]
 
 _READY_S = 600.0  # how long a host waits for a base to unpickle its loader
@@ -131,7 +133,8 @@ def _base_main(address: str, alive: Connection, link: Connection,
     prepare()  # (as the host started, not as its forkserver did)
     before = set(sys.modules)
     try:
-        _LOADED = load(link.recv_bytes())
+        source = link.recv()  # the trainer's memfd (dpex._shipfile), or bytes to follow
+        _LOADED = load(read_shipment(source) if source is not None else link.recv_bytes())
     except BaseException as exc:  # noqa: BLE001 - each session raises it as its own
         _LOADED = exc
     gc.collect()
@@ -228,7 +231,8 @@ class ForkBase:
 
     def start(self, data: Any, prepare: Callable[[], None], load: Callable[[bytes], Any],
               timeout: float = _READY_S) -> None:
-        """Fork the base, hand it ``data`` (the pickled loader, a bytes-like object) and
+        """Fork the base, hand it ``data`` (the pickled loader, a bytes-like object, or
+        a :class:`~dpex._shipfile.ShipmentRef` to the trainer's memfd holding it) and
         wait until ``load(data)`` is done there (after ``prepare()``; both pickled by
         reference); raises :class:`BaseUnsafe` when it cannot be used (then nothing is
         left running)."""
@@ -242,7 +246,11 @@ class ForkBase:
         alive_r.close()
         base_link.close()
         try:
-            link.send_bytes(data)  # (from the object store's copy: nothing kept here)
+            if isinstance(data, ShipmentRef):
+                link.send(data)  # the base reads the trainer's memfd itself
+            else:
+                link.send(None)
+                link.send_bytes(data)  # (from the object store's copy: nothing kept here)
             said = link.recv() if link.poll(timeout) else ("unsafe", "no answer")
         except (EOFError, OSError):
             proc.join(1.0)

@@ -29,6 +29,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from dpex._shipfile import ShipmentRef, read_shipment
 from dpex.server._fork_base import PRELOADED, ForkBase, enter_base_state, libraries_since
 
 if TYPE_CHECKING:
@@ -267,6 +268,15 @@ class SessionProcess:
             raise self._outcome
 
 
+def _read(ref: ShipmentRef) -> bytes:
+    try:
+        return read_shipment(ref)
+    except OSError as exc:
+        from dpex.errors import WorkerStartupError
+
+        raise WorkerStartupError(f"cannot read the shipped dataset: {exc}") from exc
+
+
 def _main(worker_class: type, spec: Any, shipped: Any, placement: dict,
           session_timeout: float, counts: Any, conn: Connection,
           ray_view: JobView | None = None,
@@ -284,9 +294,11 @@ def _main(worker_class: type, spec: Any, shipped: Any, placement: dict,
         from dpex._ray_connect import join_on_first_call
 
         join_on_first_call(ray_view)
-    worker = worker_class(placement, session_timeout, counts)
     outcome: BaseException | None = None
     try:
+        if isinstance(shipped, ShipmentRef):  # the trainer's memfd: read before HELLO,
+            shipped = _read(shipped)  # after which the trainer may close it
+        worker = worker_class(placement, session_timeout, counts)
         asyncio.run(worker.serve_until_told(spec, shipped, conn))
     except BaseException as exc:
         outcome = exc

@@ -20,6 +20,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex._protocol import Kind, ProtocolError
+from dpex._shipfile import ShipmentRef, read_shipment
 from dpex._shm import WorkerRing, collating_into
 from dpex._spec import (
     Parcel,
@@ -66,6 +67,11 @@ def _load(shipped: Any) -> ShippedLoader:
     forked from unpickled (:data:`~dpex.server._fork_base.PRELOADED`)."""
     if shipped is PRELOADED:
         return preloaded()
+    if isinstance(shipped, ShipmentRef):  # the trainer's memfd, on its node
+        try:
+            shipped = read_shipment(shipped)
+        except OSError as exc:
+            raise WorkerStartupError(f"cannot read the shipped dataset: {exc}") from exc
     if isinstance(shipped, Parcel):
         shipped = shipped.take()
         if shipped is None:

@@ -1,0 +1,154 @@
+"""The pickled loader on its way to the worker hosts: through an anonymous memfd for
+those on the trainer's node, through Ray's object store for the others.
+
+Ray's object store keeps the pages of an object once written, for the life of the
+Ray instance (freeing the object gives them back to the store, not to the node), and
+the trainer that put it counts them in its RSS: a 256 MiB dataset cost the node a
+second copy for good, and the trainer 256 MiB. On the trainer's own node there is no
+need for it: the trainer writes the pickle into a memfd (:class:`ShipmentFile`), each
+host's fork base reads it once (``/proc/<trainer pid>/fd/<fd>``, checked by a random
+nonce at its start, as the shared-memory rings are: :mod:`dpex._shm`), and the
+trainer closes it once every worker of the iterator has started
+(:meth:`Delivery.release_local`): then nothing holds those pages.
+
+A worker started later (a replacement, an added worker) on a host whose fork base
+holds the dataset needs no bytes. One that might not (another node, or after the
+memfd was closed) gets the object store's copy, put when first needed: from the memfd
+while it is open, else pickled again (:class:`Delivery`; a dataset changed since
+``iter()`` is logged, and the workers that start from it see it as it is now).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ShipmentRef", "ShipmentFile", "ShipmentUnavailable", "Delivery", "read_shipment"]
+
+logger = logging.getLogger("dpex")
+
+_NONCE_BYTES = 16
+
+
+class ShipmentUnavailable(OSError):
+    """The trainer's memfd cannot be read here (closed, another node or namespace)."""
+
+
+@dataclass(frozen=True)
+class ShipmentRef:
+    """How a host on the trainer's node finds the pickled loader (in its ``WorkerSpec``)."""
+
+    node_id: str  # the trainer's Ray node
+    pid: int
+    fd: int
+    nonce: bytes
+    size: int
+
+
+class ShipmentFile:
+    """The trainer's memfd holding one pickled loader; closed by :meth:`close` (or when
+    dropped)."""
+
+    def __init__(self, data: Any, node_id: str) -> None:
+        fd = os.memfd_create(f"dpex-shipment-{os.getpid()}", os.MFD_CLOEXEC)
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        view = memoryview(data).cast("B")
+        os.write(fd, nonce)
+        while view:  # (write() may take less than asked)
+            view = view[os.write(fd, view):]
+        self.ref = ShipmentRef(node_id, os.getpid(), fd, nonce, len(data))
+
+    @property
+    def open(self) -> bool:
+        return self._finalizer.alive
+
+    def read(self) -> bytes:
+        """The pickled loader (a copy), while open."""
+        return os.pread(self.ref.fd, self.ref.size, _NONCE_BYTES)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def read_shipment(ref: ShipmentRef) -> bytes:
+    """Read the trainer's pickled loader through its memfd (in a host's fork base)."""
+    try:
+        fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ShipmentUnavailable(
+            f"cannot open the trainer's copy of the dataset (pid {ref.pid}, fd {ref.fd}): "
+            f"{exc}") from exc
+    try:
+        if os.pread(fd, _NONCE_BYTES, 0) != ref.nonce:
+            raise ShipmentUnavailable("the trainer's copy of the dataset is gone (nonce)")
+        data = os.pread(fd, ref.size, _NONCE_BYTES)
+    finally:
+        os.close(fd)
+    if len(data) != ref.size:
+        raise ShipmentUnavailable(f"read {len(data)} of the dataset's {ref.size} bytes")
+    return data
+
+
+class Delivery:
+    """One iterator's shipped loader (see the module's docstring). Thread-safe."""
+
+    def __init__(self, data: Any, node_id: str, digest: bytes, *, stored: Any = None,
+                 put: Callable[[Any, tuple], Any], repickle: Callable[[], Any],
+                 on_stored: Callable[[Any], None] = lambda ref: None) -> None:
+        """``stored``: the object store's copy of the same bytes, if the loader has one;
+        ``put(data, refs)``: stores the bytes with the Ray refs pickled in them
+        (:class:`~dpex._spec.PickledLoader` in ``ray.put``); ``repickle()``: the loader
+        pickled again, once the memfd
+        is closed; ``on_stored(ref)``: told of a copy put here (the loader keeps it for
+        its next iterator)."""
+        self.node_id = node_id
+        self.digest = digest
+        self.size = len(data)
+        self._refs = tuple(getattr(data, "refs", ()))  # the Ray refs pickled in it
+        self._file: ShipmentFile | None = ShipmentFile(data, node_id)
+        self._stored = stored
+        self._put, self._repickle, self._on_stored = put, repickle, on_stored
+        self._lock = threading.Lock()
+
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    @property
+    def local(self) -> ShipmentRef | None:
+        """The memfd, for a host on the trainer's node (None once released)."""
+        file = self._file
+        return file.ref if file is not None and file.open else None
+
+    def object_ref(self) -> Any:
+        """The object store's copy (put now if there is none)."""
+        with self._lock:
+            if self._stored is None:
+                file = self._file
+                data = file.read() if file is not None and file.open else self._again()
+                self._stored = self._put(data, self._refs)
+                self._on_stored(self._stored)
+            return self._stored
+
+    def _again(self) -> Any:
+        import hashlib
+
+        data = self._repickle()
+        if hashlib.blake2b(data, digest_size=16).digest() != self.digest:
+            logger.warning(
+                "dpex: the dataset changed since this iterator started; the workers "
+                "started from now on (replacements, added workers) see it as it is now")
+        return data
+
+    def release_local(self) -> None:
+        """Close the memfd: every worker that needed it has read it."""
+        with self._lock:
+            file, self._file = self._file, None
+        if file is not None:
+            file.close()
