@@ -99,7 +99,9 @@ class DpexWorker:
         # None where the loader cannot be shared: its sessions unpickle it each).
         self._bases: dict[str, asyncio.Future] = {}
         self._recent: list[str] = []  # shipments sessions asked for, the latest last
-        self._starter = _Bases(self._ray_view)
+        # (A fleet's workers serve other trainers: none forks from libraries that
+        # another trainer's dataset imported.)
+        self._starter = _Bases(self._ray_view, share_libraries=not pooled)
         if pooled or host:
             self._start_forkserver()
 
@@ -305,13 +307,13 @@ class _Bases:
     that a new dataset's base does not import them again; from the forkserver while
     there is none (or it would leave threads running: then never)."""
 
-    def __init__(self, ray_view: JobView | None) -> None:
+    def __init__(self, ray_view: JobView | None, share_libraries: bool = True) -> None:
         self._ray_view = ray_view
         self._lock = threading.Lock()  # (bases start on executor threads)
         self._libraries: dict[str, None] = {}  # in import order
         self._parent: ForkBase | None = None
         self._parent_has = 0  # how many of _libraries it imported
-        self._refused = False
+        self._refused = not share_libraries
 
     def _prepare(self) -> Any:
         return functools.partial(_prepare_base, self._ray_view, list(sys.path))
