@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from dpex._spec import WorkerSpec
-from dpex.client import _warm, _workers
+from dpex.client import _hosts, _warm, _workers
 
 
 def stub_ray(monkeypatch, wait):
@@ -91,7 +91,7 @@ def test_recovery_and_scale_up_never_wait_for_the_pool(monkeypatch, how):
     wait up to 5 s per worker for one that is still returning (issue 25, item 18)."""
     pool = BlockingPool()
     monkeypatch.setattr(_workers, "POOL", pool)
-    monkeypatch.setattr(_workers, "_SHARED", _workers._SharedHosts())  # (no live loader)
+    monkeypatch.setattr(_hosts, "SHARED", _hosts.SharedHosts())  # (no live loader)
     nodes = iter(f"{n:056x}" for n in range(1, 100))  # each on a node of its own: no
     monkeypatch.setattr(_workers, "_nodes_for", lambda n: [next(nodes) for _ in range(n)])
     # actor of the group to host an added worker's session there

@@ -25,7 +25,9 @@ from dpex import _cluster, _placement, _ray_guard
 from dpex._fleet_registry import choose_workers
 from dpex._shipfile import Delivery
 from dpex._spec import WorkerSpec
+from dpex.client import _hosts
 from dpex.client._events import WorkerExit
+from dpex.client._hosts import host_options, new_host, options_key
 from dpex.client._warm import POOL
 
 __all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups", "start_hosts"]
@@ -38,69 +40,6 @@ __all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups", "start_h
 _GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 _groups_lock = threading.RLock()
 _group_ids = itertools.count()
-_EARLY: set[str] = set()  # ids of hosts started early (start_hosts), not yet taken
-
-
-class _SharedHosts:
-    """The hosts this process's live worker groups use, by (options, node): loaders
-    that iterate at once (a validation loop inside a training epoch, two persistent
-    loaders) share their node's host instead of starting one each. The last group to
-    stop hands it to the warm pool."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._hosts: dict[tuple[str, str | None], tuple[Any, set[int], str | None]] = {}
-
-    def take(self, key: str, node: str | None, group: int) -> Any | None:
-        job = _job()
-        with self._lock:
-            entry = self._hosts.get((key, node))
-            if entry is None or entry[2] != job:  # (an earlier Ray connection's: gone)
-                return None
-            entry[1].add(group)
-            return entry[0]
-
-    def add(self, key: str, node: str | None, group: int, host: Any) -> None:
-        job = _job()
-        with self._lock:
-            self._hosts[(key, node)] = (host, {group}, job)
-
-    def leave(self, key: str, node: str | None, group: int, host: Any) -> bool:
-        """``group`` no longer uses ``host``; whether it was the last to."""
-        with self._lock:
-            entry = self._hosts.get((key, node))
-            if entry is None or entry[0] is not host:
-                return True  # (forgotten: lost, and another took its place)
-            entry[1].discard(group)
-            if entry[1]:
-                return False
-            del self._hosts[(key, node)]
-            return True
-
-    def has(self, key: str, node: str | None) -> bool:
-        job = _job()
-        with self._lock:
-            entry = self._hosts.get((key, node))
-            return entry is not None and entry[2] == job
-
-    def lost(self, host_id: str) -> None:
-        """A host died: no group takes it again."""
-        with self._lock:
-            for where, (host, _, _) in list(self._hosts.items()):
-                if host._actor_id.hex() == host_id:
-                    del self._hosts[where]
-
-
-def _job() -> str | None:
-    try:
-        return _ray_guard.job_id()
-    except Exception:
-        return None  # Ray shut down
-
-
-_SHARED = _SharedHosts()
-
-
 def live_groups() -> list[WorkerGroup]:
     """The worker groups of this process that have not stopped, oldest first."""
     with _groups_lock:
@@ -198,7 +137,7 @@ class WorkerGroup:
         self.nodes: dict[int, str | None] = {}  # the node dpex chose for each worker
         # Reuse only what reserves nothing: an idle worker holding CPUs would starve others.
         self.keep_s = keep_s if not self.reserving else 0.0
-        self._key = _options_key(self.options)
+        self._key = options_key(self.options)
         self._calls: dict[int, Any] = {}  # each worker's serve call
         self._session_ids: dict[int, bytes | None] = {}  # the iterator's, per worker
         self._hosts: dict[str | None, Any] = {}  # node -> this group's host there
@@ -245,24 +184,24 @@ class WorkerGroup:
         host = self._hosts.get(node)
         if host is not None and host._actor_id.hex() not in self._lost:
             return host
-        host = _SHARED.take(self._key, node, self.group_id)
+        host = _hosts.SHARED.take(self._key, node, self.group_id)
         if host is not None:  # another live loader's: shared
             self._hosts[node] = host
             return host
         host = POOL.take(self._key, node, wait=wait)
         if host is None:
             host = new_host(self._actor_class, self.options, node, self.keep_s)
-        elif host._actor_id.hex() in _EARLY:  # started early (fresh), not reused
-            _EARLY.discard(host._actor_id.hex())
+        elif host._actor_id.hex() in _hosts.EARLY:  # started early (fresh), not reused
+            _hosts.EARLY.discard(host._actor_id.hex())
         else:
             self._reused.add(host._actor_id.hex())
         self._hosts[node] = host
-        _SHARED.add(self._key, node, self.group_id, host)
+        _hosts.SHARED.add(self._key, node, self.group_id, host)
         return host
 
     def _host_lost(self, host_id: str) -> None:
         self._lost.add(host_id)
-        _SHARED.lost(host_id)
+        _hosts.SHARED.lost(host_id)
 
     def _serve(self, actor: Any, spec: WorkerSpec, shipped: Any,
                node: str | None, host: Any = None) -> None:
@@ -378,7 +317,7 @@ class WorkerGroup:
         if self._stopped:
             return
         self._stopped = True
-        last = {node: _SHARED.leave(self._key, node, self.group_id, host)
+        last = {node: _hosts.SHARED.leave(self._key, node, self.group_id, host)
                 for node, host in self._hosts.items()}
         # It may run on the reaper thread (a dropped iterator) while the user shuts Ray
         # down: its calls never start Ray (dpex._ray_guard).
@@ -405,23 +344,6 @@ class WorkerGroup:
                 _kill(host)
 
 
-def host_options(ray_remote_args: Mapping[str, Any]) -> dict[str, Any]:
-    """The actor options of a loader's workers (a host's, when they reserve nothing)."""
-    options = {"num_cpus": 0, **ray_remote_args}
-    if _placement.reserves(options):
-        options.setdefault("scheduling_strategy", "SPREAD")
-    return options
-
-
-def new_host(actor_class: Any, options: Mapping[str, Any], node: str | None,
-             keep_s: float) -> Any:
-    """Start a host actor on ``node`` (its forkserver starts at once)."""
-    options = dict(options)
-    if node is not None:
-        options["scheduling_strategy"] = _cluster.on_node(node)
-    return actor_class.options(**options).remote(host=True, warm=keep_s > 0)
-
-
 def start_hosts(worker_class: type, ray_remote_args: Mapping[str, Any], num_workers: int,
                 keep_s: float) -> int:
     """Start the hosts a loader's first iterator will take, now (when the loader is
@@ -431,13 +353,13 @@ def start_hosts(worker_class: type, ray_remote_args: Mapping[str, Any], num_work
     options = host_options(ray_remote_args)
     if _placement.reserves(options) or keep_s <= 0 or num_workers <= 0:
         return 0
-    key = _options_key(options)
+    key = options_key(options)
     actor_class = ray.remote(worker_class)
     started = 0
     for node in dict.fromkeys(_nodes_for(num_workers)):
-        if not POOL.has_idle(key, node) and not _SHARED.has(key, node):
+        if not POOL.has_idle(key, node) and not _hosts.SHARED.has(key, node):
             host = new_host(actor_class, options, node, keep_s)
-            _EARLY.add(host._actor_id.hex())
+            _hosts.EARLY.add(host._actor_id.hex())
             POOL.keep_idle(host, key, node, keep_s)
             started += 1
     return started
@@ -448,11 +370,6 @@ def _kill(actor: Any) -> None:
         _ray_guard.kill(actor)
     except Exception:
         pass  # already gone
-
-
-def _options_key(options: Mapping[str, Any]) -> str:
-    """Actor options as a key: warm workers are reused only for the same options."""
-    return repr(sorted((k, repr(v)) for k, v in options.items()))
 
 
 class WorkerProcess:
