@@ -110,15 +110,11 @@ class Delivery:
         its next iterator)."""
         self.node_id = node_id
         self.digest = digest
-        self.size = len(data)
         self._refs = tuple(getattr(data, "refs", ()))  # the Ray refs pickled in it
         self._file: ShipmentFile | None = ShipmentFile(data, node_id)
         self._stored = stored
         self._put, self._repickle, self._on_stored = put, repickle, on_stored
         self._lock = threading.Lock()
-
-    def hex(self) -> str:
-        return self.digest.hex()
 
     @property
     def local(self) -> ShipmentRef | None:

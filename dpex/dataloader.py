@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from dpex import _process_state  # noqa: F401  (its fallback: the env at dpex import)
-from dpex._autoscale import Autoscale
 from dpex._config import DpexConfig
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
@@ -163,27 +162,12 @@ class DpexDataLoader(DataLoader[T_co]):
             self.in_order = in_order
         if not recorded_before:
             self._complete_lightning_record(config)
-        self._start_hosts_early()
-
-    def _start_hosts_early(self) -> None:
-        """With Ray already running, start the worker hosts the first iterator will take
-        now, while the trainer sets up its model (an actor and its forkserver take
-        seconds); they wait in the warm pool (``warm_worker_timeout``)."""
-        if not self._distributed or self.worker_pool is not None:
-            return
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return
-            from dpex.client._workers import start_hosts
+        if self._distributed and self.worker_pool is None:
+            from dpex.client._workers import start_hosts_early  # (imports Ray)
             from dpex.server._actor import DpexWorker
 
-            count = self.num_workers
-            count = count.min if isinstance(count, Autoscale) else int(count)
-            start_hosts(DpexWorker, self.ray_remote_args, count, self.warm_worker_timeout)
-        except Exception:  # only an early start: the iterator starts its hosts itself
-            logger.debug("dpex: could not start worker hosts early", exc_info=True)
+            start_hosts_early(DpexWorker, self.num_workers, self.ray_remote_args,
+                              self.warm_worker_timeout)
 
     def _complete_lightning_record(self, config: DpexConfig) -> None:
         """Make Lightning's record of this construction include dpex's arguments.

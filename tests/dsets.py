@@ -548,6 +548,17 @@ class Rows(Dataset):
         return self.data[i].clone()
 
 
+def open_memfds(name: str) -> list[str]:
+    """This process's open memfds whose name contains ``name`` (their /proc links)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # closed meanwhile
+    return [link for link in out if name in link]
+
+
 def private_mib(pid: int) -> float:
     """The pages only ``pid`` holds (what its exit would free), in MiB."""
     kib = 0

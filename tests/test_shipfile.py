@@ -2,9 +2,9 @@
 node, released once every worker started, the object store's copy only when needed."""
 
 import logging
-import os
 
 import pytest
+from dsets import open_memfds
 
 from dpex._shipfile import Delivery, ShipmentFile, ShipmentUnavailable, read_shipment
 from dpex._spec import PickledLoader
@@ -13,13 +13,7 @@ NODE = "a" * 56
 
 
 def memfds() -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-    return [link for link in out if "dpex-shipment" in link]
+    return open_memfds("dpex-shipment")
 
 
 def test_a_host_reads_the_bytes_and_a_closed_or_foreign_file_is_refused():

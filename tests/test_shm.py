@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from dsets import open_memfds
 from torch.utils.data import default_collate
 from torch.utils.data._utils import worker as torch_worker
 
@@ -37,13 +38,7 @@ def rings():
 
 
 def _memfds() -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-    return [link for link in out if "dpex-ring" in link]
+    return open_memfds("dpex-ring")
 
 
 def send(trainer, worker, buffers):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -30,7 +31,7 @@ from dpex.client._events import WorkerExit
 from dpex.client._hosts import host_options, new_host, options_key
 from dpex.client._warm import POOL
 
-__all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups", "start_hosts"]
+__all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups", "start_hosts", "start_hosts_early"]
 
 # Every WorkerGroup of this process (weak: a dropped iterator's group goes with it).
 # Only creation adds to it and nothing else changes it: a group's stop() may run in a
@@ -40,6 +41,7 @@ __all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups", "start_h
 _GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 _groups_lock = threading.RLock()
 _group_ids = itertools.count()
+logger = logging.getLogger("dpex")
 def live_groups() -> list[WorkerGroup]:
     """The worker groups of this process that have not stopped, oldest first."""
     with _groups_lock:
@@ -342,6 +344,22 @@ class WorkerGroup:
                 POOL.give_back(host, refs, self._key, node, self.keep_s)
             else:
                 _kill(host)
+
+
+def start_hosts_early(worker_class: type, num_workers: Any,
+                      ray_remote_args: Mapping[str, Any], keep_s: float) -> None:
+    """A loader built while Ray runs: start the hosts its first iterator will take now,
+    while the trainer sets up its model (an actor and its forkserver take seconds);
+    they wait in the warm pool. Never fails the loader's construction."""
+    try:
+        if not ray.is_initialized():
+            return
+        from dpex._autoscale import Autoscale
+
+        count = num_workers.min if isinstance(num_workers, Autoscale) else int(num_workers)
+        start_hosts(worker_class, ray_remote_args, count, keep_s)
+    except Exception:  # only an early start: the iterator starts its hosts itself
+        logger.debug("dpex: could not start worker hosts early", exc_info=True)
 
 
 def start_hosts(worker_class: type, ray_remote_args: Mapping[str, Any], num_workers: int,

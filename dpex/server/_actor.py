@@ -268,10 +268,6 @@ class DpexWorker:
                 if base is not None:
                     base.stop()
 
-    def bases(self) -> dict[str, int | None]:
-        """The fork bases this worker holds: shipment -> pid (None: not shared)."""
-        return {key: (p.result().pid if p.result() is not None else None)
-                for key, p in self._bases.items() if p.done() and p.exception() is None}
 
     async def _serve_here(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
         """Serve one session in this process (:class:`SessionServer`)."""

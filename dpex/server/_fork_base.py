@@ -269,10 +269,6 @@ class ForkBase:
             self._server = _Server(address, alive_w.fileno(), proc)
             self.libraries = list(said[1])
 
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
     def alive(self) -> bool:
         with self._lock:
             return self._proc is not None and self._proc.is_alive()
