@@ -122,3 +122,75 @@ def test_structure_is_standard_pickle():
 def test_a_tensor_on_a_device_is_refused_with_a_clear_error():
     with pytest.raises(TypeError, match=r"tensor on device meta .*return CPU tensors"):
         encode_batch({"x": torch.empty(2, 3, device="meta")})
+
+
+# -- layouts: batches of known shapes skip pickle -------------------------------------------
+
+def test_structure_is_standard_pickle_for_anything_but_plain_tensors_and_arrays():
+    for batch in ({"a": torch.zeros(2), "name": ["x", "y"]}, Point(torch.zeros(1), torch.ones(1)),
+                  [torch.zeros(2), 3], torch.eye(3).to_sparse()):
+        structure, *_ = encode_batch(batch)
+        assert bytes(structure)[:1] == b"\x80", batch  # a pickle
+
+
+COLLATED = [
+    torch.arange(12, dtype=torch.float32).reshape(3, 4),
+    (torch.zeros(4, 3, 2, dtype=torch.uint8), torch.arange(4)),
+    {"input_ids": torch.ones(2, 7, dtype=torch.int64), "mask": torch.ones(2, 7, dtype=torch.bool),
+     "pixel": [np.arange(6, dtype=np.float16).reshape(2, 3), np.zeros((0, 2), "<i4")]},
+    [torch.tensor(3.5), torch.empty(0, 5), torch.arange(6.).reshape(2, 3).t()],
+    {"": torch.ones(1, requires_grad=True), "nested": {"deep": (np.asfortranarray(
+        np.arange(6.0).reshape(2, 3)), np.array([1, 2], dtype=">i2"))}},
+    torch.randn(3, dtype=torch.complex64).conj(),
+]
+
+
+@pytest.mark.parametrize("batch", COLLATED, ids=["tensor", "tuple", "dict", "list", "odd",
+                                                 "conj"])
+def test_a_batch_of_tensors_and_arrays_travels_as_a_layout_without_pickle(batch, monkeypatch):
+    structure, *buffers = encode_batch(batch)
+    assert bytes(structure)[:1] == b"\x01"
+    import dpex._codec as codec
+
+    codec._LAYOUTS.clear()  # a trainer that never saw this structure: the template comes along
+
+    def no_pickle(*a, **k):
+        raise AssertionError("unpickled")
+
+    monkeypatch.setattr(codec.pickle, "loads", no_pickle)
+    for _ in range(2):  # parsed once, then from the cache
+        out = decode_batch(bytes(structure), [bytes(b) for b in buffers])
+        expected = batch.resolve_conj() if isinstance(batch, torch.Tensor) else batch
+        assert_same(expected, out)
+    assert len(codec._LAYOUTS) == 1
+
+
+def test_a_layout_carries_each_batchs_own_shapes_and_grad():
+    a, *_ = encode_batch(torch.zeros(32, 3))
+    b, *bufs = encode_batch(torch.zeros(7, 3, requires_grad=True))  # a last, smaller batch
+    out = decode_batch(bytes(b), bufs)
+    assert out.shape == (7, 3) and out.requires_grad
+    assert bytes(a)[:20] != bytes(b)[:20]  # (another template: requires_grad differs)
+
+
+def test_layout_tensors_are_zero_copy_views_of_handed_over_frames_and_writable():
+    structure, *buffers = encode_batch({"x": torch.arange(8, dtype=torch.int32)})
+    frame = np.frombuffer(bytearray(bytes(buffers[0])), dtype=np.uint8)
+    out = decode_batch(bytes(structure), [frame])
+    assert out["x"].data_ptr() == frame.ctypes.data  # the frame is the tensor's memory
+    out["x"].add_(1)
+    assert out["x"].tolist() == list(range(1, 9))
+
+
+@pytest.mark.parametrize("tamper, error", [
+    (lambda s, b: (s[:-8], b), "dimensions"),                         # a shape cut short
+    (lambda s, b: (s, b + [b"\0" * 4]), "buffers"),                   # a buffer too many
+    (lambda s, b: (s[:-8] + (-1).to_bytes(8, "little", signed=True), b), "negative"),
+    (lambda s, b: (s.replace(b"float32", b"floatXX"), b), "floatXX"),  # no such dtype
+    (lambda s, b: (s, [b[0][:-4]]), "shape"),                          # sizes disagree
+])
+def test_a_layout_that_does_not_add_up_is_refused_with_an_error_not_a_wrong_batch(tamper, error):
+    structure, *buffers = encode_batch(torch.zeros(2, 3))
+    s, b = tamper(bytes(structure), [bytes(x) for x in buffers])
+    with pytest.raises((ValueError, KeyError, RuntimeError), match=error):
+        decode_batch(s, b)

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 
+from dpex._codec import decode_batch
 from dpex._protocol import Kind, Wire
 from dpex._security import SessionKeys
 from dpex._shm import TrainerRing, WorkerRing
@@ -258,7 +259,7 @@ def test_a_batch_received_over_a_socket_is_the_frame_itself_not_a_copy():
     finally:
         ctx.destroy(0)
     odd = np.frombuffer(bytearray(9), dtype=np.uint8)[1:]  # 8 bytes at an odd address
-    t = pickle.loads(*_structure_and(torch.tensor([2.5, 3.5])), buffers=[odd])
+    t = decode_batch(*_structure_and(torch.tensor([2.5, 3.5])), [odd])
     assert t.dtype is torch.float32 and t.data_ptr() % 4 == 0  # copied into aligned memory
 
 
