@@ -4,14 +4,19 @@ Every message is a ZeroMQ multipart message::
 
     [header, mac, body, *buffers]
 
-``header`` is a fixed 48-byte struct (little endian)::
+``header`` is a fixed 52-byte struct (little endian)::
 
     version:u8  kind:u8  session_id:16s  epoch:u32  seq:i64  worker_id:u16
-    incarnation:u32  n_buffers:u32  ready_ns:i64
+    incarnation:u32  n_buffers:u32  ready_ns:i64  took_us:u32
 
 ``ready_ns`` is the sender's wall clock (``time.time_ns()``) when a batch was
 ready (fetched and collated, before it was encoded); 0 in every other message.
 The trainer reads the batch's latency from it (``stats()["batch_latency"]``).
+``took_us`` is how long the worker's compute thread worked on that batch (from
+taking the task to the batch being ready, microseconds, measured on the worker's
+own clock); 0 in every other message. It is the workers' time per batch that
+the autoscaler and the lost-batch limit use: the trainer reads batches when its
+training thread asks for them, so when a batch arrived is not known there.
 
 ``incarnation`` is the sender's (0 for a worker id's first process, +1 per
 replacement; 0 from the trainer): a batch a replaced worker sent late is
@@ -89,8 +94,8 @@ __all__ = [
     "LOADING",
 ]
 
-PROTOCOL_VERSION = 8  # 8: PROGRESS
-_HEADER = struct.Struct("<BB16sIqHIIq")
+PROTOCOL_VERSION = 9  # 8: PROGRESS; 9: took_us, batches as layouts (dpex._codec)
+_HEADER = struct.Struct("<BB16sIqHIIqI")
 HEADER_SIZE = _HEADER.size
 MAC_SIZE = 16
 KEY_SIZE = 32
@@ -133,6 +138,7 @@ class Message:
     incarnation: int = 0  # the sender's
     received_at: float | None = None  # time.monotonic() when the trainer's loop got it
     ready_ns: int = 0  # the worker's time.time_ns() when the batch was ready (0: not a batch)
+    took_us: int = 0  # the worker's time on the batch (0: not a batch, or not measured)
 
 
 @dataclass(frozen=True)
@@ -149,14 +155,16 @@ class Envelope:
     body: memoryview
     buffers: list[memoryview]
     ready_ns: int = 0
+    took_us: int = 0
 
     def unpickle(self) -> Any:
         return pickle.loads(self.body)
 
-    def message(self, payload: Any, kind: Kind | None = None, in_ring: bool = False) -> Message:
+    def message(self, payload: Any, kind: Kind | None = None, in_ring: bool = False,
+                received_at: float | None = None) -> Message:
         return Message(kind or self.kind, self.session_id, self.epoch, self.seq,
-                       self.worker_id, payload, in_ring, self.incarnation,
-                       ready_ns=self.ready_ns)
+                       self.worker_id, payload, in_ring, self.incarnation, received_at,
+                       self.ready_ns, self.took_us)
 
 
 def worker_identity(worker_id: int, incarnation: int, key: bytes) -> bytes:
@@ -201,10 +209,11 @@ class Wire:
         return mac.digest()
 
     def frames(self, kind: Kind, epoch: int, seq: int, worker_id: int, body: Any,
-               buffers: Sequence[Any] = (), ready_ns: int = 0) -> list[Any]:
+               buffers: Sequence[Any] = (), ready_ns: int = 0, took_us: int = 0) -> list[Any]:
         """``[header, mac, body, *buffers]`` for one message (nothing pickled here)."""
         header = _HEADER.pack(PROTOCOL_VERSION, kind, self.session_id, epoch, seq, worker_id,
-                              self.incarnation, len(buffers), ready_ns)
+                              self.incarnation, len(buffers), ready_ns,
+                              min(max(took_us, 0), 0xFFFFFFFF))
         return [header, self._mac(header, body, buffers), body, *buffers]
 
     def encode(self, kind: Kind, epoch: int = 0, seq: int = -1, worker_id: int = 0,
@@ -220,7 +229,8 @@ class Wire:
         head = memoryview(frames[0])
         if head.nbytes != HEADER_SIZE:
             raise ProtocolError("header", f"{head.nbytes} bytes, {HEADER_SIZE} expected")
-        version, kind, sid, epoch, seq, worker_id, incarnation, n, ready_ns = _HEADER.unpack(head)
+        (version, kind, sid, epoch, seq, worker_id, incarnation, n, ready_ns,
+         took_us) = _HEADER.unpack(head)
         if version != PROTOCOL_VERSION:
             raise ProtocolError("version",
                                 f"protocol {version}, this side speaks {PROTOCOL_VERSION}")
@@ -238,7 +248,8 @@ class Wire:
             raise ProtocolError("too-large", f"{size:,} bytes")
         if not hmac.compare_digest(memoryview(frames[1]).tobytes(), self._mac(head, body, buffers)):
             raise ProtocolError("mac", "authentication failed")
-        return Envelope(kind, sid, epoch, seq, worker_id, incarnation, body, buffers, ready_ns)
+        return Envelope(kind, sid, epoch, seq, worker_id, incarnation, body, buffers, ready_ns,
+                        took_us)
 
     def decode(self, frames: Sequence[Any]) -> Message:
         """Check and unpickle one control-plane message (the data plane is

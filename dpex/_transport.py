@@ -191,9 +191,10 @@ class MemoryTransport:
 
 
 def encode_data(wire: Wire, epoch: int, seq: int, worker_id: int, batch: Any,
-                transport: Transport = SOCKET, ready_ns: int = 0) -> list[Any]:
+                transport: Transport = SOCKET, ready_ns: int = 0, took_us: int = 0) -> list[Any]:
     """The frames of one batch message, its buffers placed by ``transport``;
-    ``ready_ns``: when the batch was ready (``time.time_ns()``; the header carries it).
+    ``ready_ns``: when the batch was ready (``time.time_ns()``), ``took_us``: how long
+    the worker worked on it (the header carries both).
 
     Raises :class:`~dpex.errors.ProtocolError` (reason ``too-large``) when the batch
     is over ``max_message_bytes``: the receiver would drop it.
@@ -206,7 +207,7 @@ def encode_data(wire: Wire, epoch: int, seq: int, worker_id: int, batch: Any,
     descriptor, inline = transport.place(buffers)
     if descriptor:
         body = descriptor + bytes(body)
-    return wire.frames(transport.kind, epoch, seq, worker_id, body, inline, ready_ns)
+    return wire.frames(transport.kind, epoch, seq, worker_id, body, inline, ready_ns, took_us)
 
 
 class Receiver:
@@ -217,18 +218,20 @@ class Receiver:
         self.wire = wire
         self._transports = {t.kind: t for t in transports}
 
-    def decode(self, frames: Sequence[Any]) -> Message:
+    def decode(self, frames: Sequence[Any], received_at: float | None = None) -> Message:
+        """One data message (``received_at``: when it was read, time.monotonic())."""
         env = self.wire.open(frames)
         if env.kind not in DATA_KINDS:
             raise ProtocolError("kind", f"{env.kind.name} on the data plane")
         if env.kind is Kind.END:
-            return env.message(None)
+            return env.message(None, received_at=received_at)
         if env.kind is Kind.ERROR:
             try:
-                return env.message(env.unpickle())
+                return env.message(env.unpickle(), received_at=received_at)
             except Exception as exc:  # a class this process cannot import, say
                 return env.message(undecodable_error(env.worker_id, env.seq,
-                                                     "worker's exception", exc), Kind.ERROR)
+                                                     "worker's exception", exc), Kind.ERROR,
+                                   received_at=received_at)
         transport = self._transports.get(env.kind)
         if transport is None:
             raise ProtocolError("kind", f"{env.kind.name}: no such transport here")
@@ -236,15 +239,15 @@ class Receiver:
             structure, buffers, shared = transport.take(env.worker_id, env.body, env.buffers)
         except Unreadable as exc:  # authentic, so a worker sent it: an error, not a hang
             return env.message(undecodable_error(env.worker_id, env.seq, "transport", exc),
-                               Kind.ERROR)
+                               Kind.ERROR, received_at=received_at)
         try:
             payload = decode_batch(structure, buffers)
         except Exception as exc:  # authentic, yet it does not rebuild here
             return env.message(undecodable_error(env.worker_id, env.seq, "batch", exc),
-                               Kind.ERROR)
+                               Kind.ERROR, received_at=received_at)
         finally:
             del buffers  # the batch's tensors hold what they need of them
-        return env.message(payload, Kind.BATCH, in_ring=shared)
+        return env.message(payload, Kind.BATCH, in_ring=shared, received_at=received_at)
 
 
 def undecodable_error(worker_id: int, seq: int, what: str, exc: BaseException) -> ExceptionWrapper:

@@ -567,3 +567,43 @@ def private_mib(pid: int) -> float:
             if line.startswith(("Private_Clean:", "Private_Dirty:")):
                 kib += int(line.split()[1])
     return kib / 1024
+
+
+class SessionEvents:
+    """What the training thread sees of a ``TrainerSession``, with a queue's face for
+    tests: the handoff's events, and the batches it reads from the data socket itself
+    (one list per read), in that order."""
+
+    def __init__(self, session, handoff) -> None:
+        self.session, self.handoff = session, handoff
+
+    def put(self, item) -> None:
+        self.handoff.put(item)
+
+    def empty(self) -> bool:
+        return self.handoff.empty()  # (events only: batches are read, not queued)
+
+    def get_nowait(self):
+        import queue
+
+        try:
+            return self.handoff.get_nowait()
+        except queue.Empty:
+            pass
+        data = self.session.receive()
+        if data:
+            return data
+        raise queue.Empty
+
+    def get(self, timeout: float = 5.0):
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.get_nowait()
+            except queue.Empty:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+            self.session.wait(min(left, 0.1))

@@ -25,7 +25,7 @@ import zmq
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Wire
 from dpex._security import connect_promptly
-from dpex.client._events import WorkerHello
+from dpex.client._events import Handoff, WorkerHello
 from dpex.client._session import TrainerSession
 
 
@@ -43,7 +43,7 @@ def worker() -> None:
     time.sleep(120)
 
 
-def hello_within(handoff: queue.SimpleQueue, seconds: float) -> float | None:
+def hello_within(handoff: Handoff, seconds: float) -> float | None:
     """Seconds until a WorkerHello came (None: none within ``seconds``)."""
     started = time.monotonic()
     while (left := started + seconds - time.monotonic()) > 0:
@@ -58,7 +58,7 @@ def hello_within(handoff: queue.SimpleQueue, seconds: float) -> float | None:
 def trainer(args: argparse.Namespace) -> None:
     nodes = [args.head_ip]
     ray.nodes = lambda: [{"NodeManagerAddress": a, "Alive": True} for a in nodes]
-    handoff: queue.SimpleQueue = queue.SimpleQueue()
+    handoff = Handoff()
     loop = LoopThread("late-node-loop")
     sess = TrainerSession(Wire.new(), args.head_ip, handoff)
     loop.start()

@@ -1,7 +1,8 @@
 """EpochDriver (dpex/client/_driver.py) on an in-memory runtime: no Ray, no sockets, no
 threads. The loop thread runs what it is given at once, the session records what it
 sends, the worker group records what it starts; workers "answer" by putting events
-on the driver's queue, as the loop thread and the worker group do. What the live
+on the driver's queue, as the loop thread and the worker group do (batches too: the
+session's data socket, which the training thread reads itself, is empty here). What the live
 tests (test_lifecycle.py, test_errors.py, test_lost.py, test_autoscale.py) check end to
 end, these check of the driver's own rules, in milliseconds."""
 
@@ -22,7 +23,13 @@ from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
 from dpex.client._launch import plan_launch
 from dpex.client._runtime import Seeds
 from dpex.client._scheduler import EPOCH_END, Control, KillWorker, SendTasks
-from dpex.errors import DpexError, EventLoopError, WorkerDiedError, WorkerStartupError
+from dpex.errors import (
+    DpexError,
+    EventLoopError,
+    ProtocolError,
+    WorkerDiedError,
+    WorkerStartupError,
+)
 
 
 class Session:
@@ -33,9 +40,18 @@ class Session:
 
     def __init__(self) -> None:
         self.sent: list[tuple] = []
+        self.fail_with: Exception | None = None
 
     def send_all(self, messages) -> None:
+        if self.fail_with is not None:
+            raise self.fail_with
         self.sent.append(("send_all", [(type(m).__name__, m.worker_id) for m in messages]))
+
+    def receive(self) -> list:
+        return []  # (batches come on the driver's queue here)
+
+    def wait(self, timeout: float) -> None:
+        time.sleep(min(timeout, 0.005))
 
     def send(self, w, kind, *payload) -> None:
         self.sent.append(("send", w, kind, *payload))
@@ -175,7 +191,7 @@ def test_a_failed_start_closes_the_runtime_it_was_given():
     assert runtime.closed and runtime.workers.calls == [("stop",)]
 
 
-def test_an_epochs_batches_come_in_order_and_the_tasks_cross_to_the_loop_together():
+def test_an_epochs_batches_come_in_order():
     d, runtime, handoff, _ = driver(2)
     draw = draws(4)
     d.start_epoch(draw, shared_seed=None, first_worker=0, ended=frozenset(), skips={})
@@ -282,7 +298,7 @@ def test_a_count_asked_for_from_another_thread_waits_for_the_training_thread():
     assert d.sched.num_workers == 2 and owner.scaled == [2]
 
 
-def test_the_messages_among_actions_cross_to_the_loop_together_in_their_order():
+def test_the_messages_among_actions_go_out_together_in_their_order_from_this_thread():
     d, runtime, _, _ = driver(2)
     crossings = runtime.loop.crossings
     d.apply([SendTasks(0, 1, [(0, [0])]), Control(1, Kind.SKIP, 1, 2), KillWorker(1),
@@ -290,7 +306,19 @@ def test_the_messages_among_actions_cross_to_the_loop_together_in_their_order():
     assert runtime.session.sent == [("send_all", [("SendTasks", 0), ("Control", 1)]),
                                     ("send_all", [("SendTasks", 0)])]
     assert runtime.workers.calls[-1] == ("kill", 1)
-    assert runtime.loop.crossings - crossings == 2
+    assert runtime.loop.crossings == crossings  # one hop: nothing crossed to the loop thread
+
+
+@pytest.mark.parametrize("error, raised", [
+    (ProtocolError("too-large", "the indices of batch 0 take 9 bytes"), ProtocolError),
+    (OSError("socket gone"), EventLoopError),
+])
+def test_a_send_that_fails_on_the_training_thread_stops_everything_then_raises(error, raised):
+    d, runtime, _, owner = driver(1)
+    runtime.session.fail_with = error
+    with pytest.raises(raised):
+        d.apply([SendTasks(0, 1, [(0, [0])])])
+    assert owner.stops == 1 and runtime.closed
 
 
 def test_an_added_worker_not_ready_within_startup_timeout_is_given_up():

@@ -49,11 +49,23 @@ def test_every_message_carries_its_senders_incarnation_under_the_mac():
     assert err.value.reason == "mac"
 
 
+def test_a_batch_carries_how_long_its_worker_took_under_the_mac():
+    frames = frames_bytes(_transport.encode_data(WIRE, 1, 0, 2, torch.zeros(2), took_us=4321))
+    assert decode(frames).took_us == 4321
+    assert decode(encode_message(Kind.END)).took_us == 0
+    huge = frames_bytes(_transport.encode_data(WIRE, 1, 0, 2, torch.zeros(2), took_us=1 << 40))
+    assert decode(huge).took_us == 0xFFFFFFFF  # (a batch of 71 minutes and more says so)
+    frames[0] = frames[0][:-4] + (1).to_bytes(4, "little")  # claim another time
+    with pytest.raises(ProtocolError) as err:
+        decode(frames)
+    assert err.value.reason == "mac"
+
+
 def test_a_batch_carries_when_it_was_ready_under_the_mac():
     frames = frames_bytes(_transport.encode_data(WIRE, 1, 0, 2, torch.zeros(2), ready_ns=123456789))
     assert decode(frames).ready_ns == 123456789
     assert decode(encode_message(Kind.END)).ready_ns == 0
-    frames[0] = frames[0][:-8] + (1).to_bytes(8, "little")  # claim another time
+    frames[0] = frames[0][:-12] + (1).to_bytes(8, "little") + frames[0][-4:]  # another time
     with pytest.raises(ProtocolError) as err:
         decode(frames)
     assert err.value.reason == "mac"

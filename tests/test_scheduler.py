@@ -1,6 +1,7 @@
 """EpochScheduler without Ray, sockets or threads: events in, actions out."""
 
 import collections
+import dataclasses
 import random
 
 import pytest
@@ -62,6 +63,21 @@ def test_round_robin_within_the_credit_window_and_tasks_go_out_in_groups():
     assert got.payload == "b0" and actions == [] and s.in_flight == 4
     got, actions = s.take(draw)
     assert got.payload == "b1" and sends(actions) == {(0, (4,)), (1, (5,))}
+
+
+def test_a_workers_time_per_batch_is_its_own_when_it_says_not_when_the_batch_was_read():
+    """The training thread reads batches when the loop asks for one: a batch that waited
+    through a long step is read late. The autoscaler's input is the worker's own time
+    (the header's took_us) where it gives it, and the trainer's measure otherwise."""
+    clock = Clock()
+    s, draw = EpochScheduler(2, 2, clock=clock), draw_from([[i] for i in range(10)])
+    s.start_epoch(draw)
+    s.ready(0, {}), s.ready(1, {})
+    clock.now += 30.0  # a long training step: both results are read only now
+    late = [dataclasses.replace(msg(1, 0, 0), took_us=20_000, received_at=clock.now),
+            dataclasses.replace(msg(1, 1, 1), received_at=clock.now)]  # (one that says not)
+    s.results(late)
+    assert list(s.batch_times) == [0.02, 30.0]
 
 
 def test_a_worker_with_nothing_else_to_do_gets_its_task_at_once():

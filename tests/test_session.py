@@ -8,12 +8,14 @@ import pytest_asyncio
 import torch
 import zmq
 import zmq.asyncio
+from dsets import SessionEvents
 
 from dpex._addresses import port_range
 from dpex._event_loop import LoopThread
 from dpex._protocol import Kind, Message, Wire, worker_identity
 from dpex._transport import encode_data
-from dpex.client._events import WorkerHello
+from dpex.client._events import Handoff, WorkerHello
+from dpex.client._scheduler import SendTasks
 from dpex.client._session import TrainerSession
 from dpex.errors import DpexTimeoutError, ProtocolError
 
@@ -33,9 +35,9 @@ async def next_event(handoff, timeout=5.0):
 
 @pytest_asyncio.fixture
 async def session():
-    handoff = queue.SimpleQueue()
-    s = TrainerSession(WIRE, "127.0.0.1", handoff)
+    s = TrainerSession(WIRE, "127.0.0.1", Handoff())
     await s.open()
+    s.events = SessionEvents(s, s.handoff)  # (what the training thread reads)
     yield s
     await s.close()
 
@@ -63,26 +65,26 @@ async def test_tasks_wait_for_hello_then_batches_reach_the_handoff(session, fake
     assert session.data_address.startswith("tcp://127.0.0.1:")
     session.send_tasks(0, epoch=1, tasks=[(0, [4, 5])])  # queued: no HELLO yet
     await ctrl.send_multipart(WIRE.encode(Kind.HELLO, worker_id=0, payload={"pid": 1}))
-    hello = await next_event(session.handoff)
+    hello = await next_event(session.events)
     assert isinstance(hello, WorkerHello) and hello.worker_id == 0
     task = WIRE.decode(await asyncio.wait_for(ctrl.recv_multipart(), 5))
     assert task.kind is Kind.TASKS and task.payload == ([(0, [4, 5])], None)
     await data.send_multipart(encode_data(WIRE, 1, 0, 0, torch.tensor([4, 5])), copy=False)
-    [msg] = await next_event(session.handoff)  # data messages come as a list
+    [msg] = await next_event(session.events)  # data messages come as a list
     assert isinstance(msg, Message) and torch.equal(msg.payload, torch.tensor([4, 5]))
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
-async def test_a_burst_of_batches_is_handed_over_in_few_lists_in_order(session, fake_worker):
+async def test_a_burst_of_batches_is_read_in_few_lists_in_order(session, fake_worker):
     _, data = fake_worker
     for seq in range(40):
         data.send_multipart(encode_data(WIRE, 1, seq, 0, torch.tensor([seq])), copy=False)
     lists = []
     while sum(map(len, lists)) < 40:
-        lists.append(await next_event(session.handoff))
+        lists.append(await next_event(session.events))
     assert [m.seq for batch in lists for m in batch] == list(range(40))
-    assert len(lists) < 40  # at least one hand-off carried several batches
+    assert len(lists) < 40  # at least one read took several batches
 
 
 @pytest.mark.asyncio
@@ -94,7 +96,7 @@ async def test_garbage_and_foreign_messages_are_counted_and_dropped(session, fak
     await data.send_multipart(Wire(WIRE.session_id, bytes(32)).encode(Kind.END, 1, 1, 0))
     await data.send_multipart(WIRE.encode(Kind.HELLO, 1, 0, 0))  # control kind on data
     await data.send_multipart(WIRE.encode(Kind.END, 1, 7, 0))
-    [msg] = await next_event(session.handoff)
+    [msg] = await next_event(session.events)
     assert msg.kind is Kind.END and msg.seq == 7  # only the valid one came through
     assert session.counts.rejected == {"frame-count": 1, "session": 1, "mac": 1, "kind": 1}
 
@@ -127,12 +129,13 @@ def test_loop_thread_run_times_out():
 
 @pytest.mark.timeout(60)
 def test_hellos_arriving_while_tasks_are_sent_are_all_seen():
-    """Sends from the training thread's call_soon must not swallow the ROUTER's read edge."""
+    """Sends from the training thread must not swallow the ROUTER's read edge: the loop
+    thread's reader would never hear the HELLOs that arrive meanwhile."""
     import random
     import threading
     import time
 
-    handoff = queue.SimpleQueue()
+    handoff = Handoff()
     loop = LoopThread("dpex-test-loop")
     sess = TrainerSession(Wire.new(), "127.0.0.1", handoff)
     loop.start()
@@ -163,7 +166,7 @@ def test_hellos_arriving_while_tasks_are_sent_are_all_seen():
         def hammer():
             i = 0
             while not stop.is_set():
-                loop.call_soon(sess.send_tasks, 0, 1, [(i, None)])
+                sess.send_all([SendTasks(0, 1, [(i, None)])])  # (this thread: the training one)
                 i += 1
                 if i % 50 == 0:
                     time.sleep(0.0005)
@@ -227,7 +230,7 @@ def test_sockets_bind_inside_dpex_port_range(monkeypatch):
     monkeypatch.setenv("DPEX_PORT_RANGE", "50100-50120")
     lt = LoopThread("dpex-test-loop")
     lt.start()
-    sess = TrainerSession(Wire.new(), "127.0.0.1", queue.SimpleQueue())
+    sess = TrainerSession(Wire.new(), "127.0.0.1", Handoff())
     try:
         lt.run(sess.open(), timeout=5)
         ports = [int(a.rsplit(":", 1)[1]) for a in (sess.data_address, sess.control_address)]
@@ -243,7 +246,7 @@ def test_sockets_bind_inside_dpex_port_range(monkeypatch):
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 async def test_tasks_over_max_message_bytes_are_split_and_one_alone_too_big_is_an_error():
-    handoff = queue.SimpleQueue()
+    handoff = Handoff()
     sess = TrainerSession(Wire.new(max_message_bytes=1024), "127.0.0.1", handoff)
     await sess.open()
     ctx = zmq.asyncio.Context()

@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 
+import dsets
 import pytest
 import torch
 import zmq
@@ -25,7 +26,7 @@ from dpex._security import (
     connect_promptly,
 )
 from dpex._transport import encode_data
-from dpex.client._events import WorkerHello
+from dpex.client._events import Handoff, WorkerHello
 from dpex.client._session import TrainerSession
 from dpex.server._actor import DpexWorker
 
@@ -36,13 +37,13 @@ MiB = 1 << 20
 @contextlib.contextmanager
 def opened_session(mode=AUTHENTICATED, max_bytes=64 * MiB, host="127.0.0.1", **kw):
     """A trainer session on loopback, open, on a loop thread of its own (stopped after)."""
-    handoff = queue.SimpleQueue()
+    handoff = Handoff()
     loop = LoopThread("dpex-test-loop")
     sess = TrainerSession(Wire.new(max_bytes), host, handoff, mode, **kw)
     loop.start()
     try:
         loop.run(sess.open(), 5)
-        yield sess, loop, handoff
+        yield sess, loop, dsets.SessionEvents(sess, handoff)
     finally:
         loop.stop(cleanup=sess.close)
 

@@ -1,5 +1,7 @@
 """A worker's view of one session without sockets or Ray: torch's worker loop."""
 
+import time
+
 import cloudpickle
 import torch
 from torch.utils.data import IterableDataset, _DatasetKind
@@ -127,3 +129,25 @@ def test_the_rng_log_keeps_the_newest_states_and_its_epochs_start():
         log.task_done(1, seq, {"at": seq})
     assert log.after(1, -1) == {"at": "start"} and log.after(2, -1) is None
     assert [log.after(1, seq) for seq in range(4)] == [None, None, {"at": 2}, {"at": 3}]
+
+
+class Sleepy(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return i
+
+
+def test_a_batch_says_how_long_its_worker_worked_on_it():
+    wire = Wire.new()
+    shipped = cloudpickle.dumps(ShippedLoader(
+        dataset=Sleepy(), dataset_kind=_DatasetKind.Map, auto_collation=True,
+        collate_fn=default_collate, drop_last=False, worker_init_fn=None))
+    spec = WorkerSpec(wire=wire, worker_id=0, num_workers=1, base_seed=1, data_address="",
+                      control_address="", keys=SessionKeys.new().client)
+    runner = TaskRunner(spec, shipped)
+    time.sleep(0.05)  # (idle time before the task is none of its time)
+    msg = Receiver(wire).decode(runner.run_task(1, 0, [2, 3]))
+    assert msg.kind is Kind.BATCH and 20_000 <= msg.took_us < 50_000

@@ -4,9 +4,12 @@ scheduler.
 :class:`EpochDriver` owns what an iterator started (:class:`Runtime`: the loop thread,
 the trainer's session, the worker group) and the :class:`EpochScheduler` that decides
 what happens to them. It carries out every action the scheduler returns, runs the
-event pump of the training thread (events from the loop thread and Ray, deadlines),
-crosses to the loop thread in one place (:meth:`EpochDriver._post`) and, on a fatal
+event pump of the training thread (batches read from the session's data socket,
+events from the loop thread and Ray on the handoff, deadlines) and, on a fatal
 event, stops everything in one place before it raises (:meth:`EpochDriver._fail`).
+Batches and tasks never cross to the loop thread: the training thread reads the one
+and sends the other on the session's sockets itself (one hop, see
+:mod:`~dpex.client._session`).
 The iterator (``_iterator.py``) keeps torch's face: the sampler, the epoch, what it
 yields. Elastic workers (``scale_to``, autoscaling) are composed in
 (:class:`~dpex.client._elastic.Elastic`).
@@ -38,7 +41,14 @@ from dpex._spec import WorkerSpec
 from dpex._version import local_versions
 from dpex.client._deadlines import Deadlines, Due
 from dpex.client._elastic import Elastic
-from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello, WorkerProgress
+from dpex.client._events import (
+    Handoff,
+    LoopFailure,
+    RngReply,
+    WorkerExit,
+    WorkerHello,
+    WorkerProgress,
+)
 from dpex.client._launch import LaunchPlan
 from dpex.client._runtime import Runtime, Seeds, Shipment
 from dpex.client._scheduler import (
@@ -93,7 +103,7 @@ class EpochDriver:
     before it raises, so that the iterator keeps its final counters.
     """
 
-    def __init__(self, runtime: Runtime, handoff: queue.SimpleQueue, config: DpexConfig,
+    def __init__(self, runtime: Runtime, handoff: Handoff, config: DpexConfig,
                  plan: LaunchPlan, seeds: Seeds, *, ship: Callable[[], tuple[Any, bool]],
                  shipped_bytes: int, node_id: str, prefetch_factor: int, in_order: bool,
                  iterable: bool, timeout: float, on_stop: Callable[[], None],
@@ -193,15 +203,15 @@ class EpochDriver:
                 self.waited_total += waited
 
     def apply(self, actions: list[Any]) -> None:
-        """Carry out the scheduler's actions, in its order; the messages among them go
-        to the loop thread together (one wake-up)."""
+        """Carry out the scheduler's actions, in its order; the messages among them are
+        sent together, from this thread."""
         messages: list[SendTasks | Control] = []
         for action in actions:
             if isinstance(action, (SendTasks, Control)):
                 messages.append(action)
                 continue
             if messages:
-                self._post(self.session.send_all, messages)
+                self._send(messages)
                 messages = []
             if isinstance(action, StartReplacement):
                 self._start_replacement(action.worker_id, action.incarnation)
@@ -217,11 +227,17 @@ class EpochDriver:
             else:
                 raise AssertionError(f"unknown scheduler action {action!r}")
         if messages:
-            self._post(self.session.send_all, messages)
+            self._send(messages)
 
-    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop thread (the session is that thread's alone)."""
-        self.loop.call_soon(fn, *args)
+    def _send(self, messages: list[Any]) -> None:
+        """Send the scheduler's messages on the session's control socket (from this
+        thread); what fails there stops everything, as a loop failure does."""
+        try:
+            self.session.send_all(messages)
+        except DpexError as exc:  # e.g. a task over max_message_bytes: it says what
+            self._fail(exc)
+        except Exception as exc:
+            self._fail(EventLoopError(f"sending tasks failed: {exc!r}"), exc)
 
     def _fail(self, error: BaseException, cause: BaseException | None = None) -> NoReturn:
         """Stop everything (the iterator keeps its counters), then raise ``error``."""
@@ -293,11 +309,16 @@ class EpochDriver:
 
     def _next_event(self, deadline: float | None, starting: bool,
                     until: float | None) -> Any:
+        """The next event: the handoff's first (a HELLO precedes its worker's batches
+        there), then the batches that have arrived; else wait for either."""
         while True:
             try:  # what already arrived counts, however late this thread came to look
                 return self.handoff.get_nowait()
             except queue.Empty:
                 pass
+            data = self.session.receive()
+            if data:
+                return data
             due, wait = self.deadlines.next(time.monotonic(), deadline, starting, until)
             if due is Due.STARTUP_TIMED_OUT:
                 self._fail(self._startup_failure())
@@ -311,10 +332,9 @@ class EpochDriver:
             if due is Due.PLACEMENT_CHECK:
                 self._check_placement()
                 continue
-            try:
-                return self.handoff.get(timeout=wait)
-            except queue.Empty:
-                pass
+            self.session.wait(wait)
+            if self.runtime.closed:
+                raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
             if not self.loop.running:
                 raise EventLoopError("the dpex event-loop thread stopped unexpectedly")
 
@@ -425,7 +445,7 @@ class EpochDriver:
         self.deadlines.starting(time.monotonic())
         old = self.specs[w].ring
         if old is not None:
-            self._post(self.session.retire_ring, old.ring_id)
+            self.session.retire_ring(old.ring_id)
         record = self.sched.workers[w]
         if record.added:  # (an added worker's replacement: its own start time)
             record.started_at = time.monotonic()
@@ -434,7 +454,7 @@ class EpochDriver:
             shared_seed=self.shared_seed, ring=self.new_ring(w),
             # The saved states belong to the resumed epoch; later a worker starts anew.
             rng_state=self.specs[w].rng_state if self.sched.epoch == 1 else None)
-        self._post(self.session.expect, w, spec.incarnation)
+        self.session.expect(w, spec.incarnation)
         self.runtime.workers.restart(spec, self.shipped.ref)
 
     def _start_worker(self, w: int) -> None:
@@ -450,10 +470,10 @@ class EpochDriver:
     def _stop_worker(self, w: int) -> None:
         """A retired worker holds nothing: end its session (its exit is expected)."""
         self.runtime.workers.retire(w)
-        self._post(self.session.forget, w)
+        self.session.forget(w)
         ring = self.specs[w].ring
         if ring is not None:
-            self._post(self.session.retire_ring, ring.ring_id)
+            self.session.retire_ring(ring.ring_id)
 
     # -- state_dict() --------------------------------------------------------------
 
@@ -469,7 +489,7 @@ class EpochDriver:
         self._rng_replies = {}
         incarnations = {w: self.sched.workers[w].incarnation for w in asked}
         for w, (epoch, seq) in asked.items():
-            self._post(self.session.send, w, Kind.RNG_QUERY, epoch, seq)
+            self.session.send(w, Kind.RNG_QUERY, epoch, seq)
 
         def answered(w: int) -> bool:
             return (w, *asked[w]) in self._rng_replies

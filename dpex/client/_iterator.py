@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import queue
 import threading
 import time
 import traceback
@@ -30,6 +29,7 @@ from dpex._reaper import finalizer_for
 from dpex._spec import ShippedLoader, stateful_dataset
 from dpex._stats import Latencies, LoaderStats
 from dpex.client._driver import EpochDriver, Seeds
+from dpex.client._events import Handoff
 from dpex.client._launch import plan_launch
 from dpex.client._replay import Drawing, distributed_seed
 from dpex.client._report import iterator_stats
@@ -87,7 +87,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             drop_last=self._drop_last, worker_init_fn=worker_init_fn,
         ), fleet=config.worker_pool is not None)
         shipped = pickle_again()
-        handoff: queue.SimpleQueue = queue.SimpleQueue()
+        handoff = Handoff()
         number = next(_iterator_ids)
         label = f"iterator {number} of a DpexDataLoader over {type(self._dataset).__name__}"
         runtime = Runtime(f"dpex-loop-{number}", handoff, config, label, worker_class)

@@ -99,12 +99,14 @@ class LossWatch:
         return None if sent is None else now - max(self._last[worker_id], sent[1])
 
     def result(self, worker_id: int, seq: int, outstanding: list[tuple[int, Any]],
-               now: float | None = None) -> list[tuple[int, Any]]:
-        """A result of ``worker_id`` arrived (``now``): the tasks of ``outstanding`` (the
-        worker's) that it overtook, which were lost."""
+               now: float | None = None, took: float | None = None) -> list[tuple[int, Any]]:
+        """A result of ``worker_id`` arrived (``now``; ``took``: the worker's own time on
+        it, where it said): the tasks of ``outstanding`` (the worker's) that it
+        overtook, which were lost."""
         now = self.clock() if now is None else now
         sent = self._order.get(seq)
-        took = self.batch_time(worker_id, seq, now)
+        if took is None:
+            took = self.batch_time(worker_id, seq, now)
         if worker_id in self._past_first and took is not None:
             self._batch_times.append(took)
         self._past_first.add(worker_id)

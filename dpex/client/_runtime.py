@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import queue
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -22,7 +21,7 @@ from dpex._protocol import Wire
 from dpex._security import wire_security
 from dpex._shipfile import Delivery
 from dpex._spec import PickledLoader, WorkerSpec
-from dpex.client._events import LoopFailure
+from dpex.client._events import Handoff, LoopFailure
 from dpex.client._session import TrainerSession
 from dpex.client._workers import FleetGroup, WorkerGroup
 
@@ -64,7 +63,7 @@ class Workers(Protocol):
 class Runtime:
     """Everything one iterator started: loop thread, sockets, actors. Idempotent close."""
 
-    def __init__(self, name: str, handoff: queue.SimpleQueue, config: DpexConfig,
+    def __init__(self, name: str, handoff: Handoff, config: DpexConfig,
                  label: str, worker_class: type) -> None:
         host = node_address()  # may raise: before anything that needs closing exists
         self.loop = LoopThread(name, on_error=lambda exc: handoff.put(LoopFailure(exc)))

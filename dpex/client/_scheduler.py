@@ -368,14 +368,18 @@ class EpochScheduler:
         fresh = self.ledger.received(msg.seq)
         self.workers[msg.worker_id].batches += fresh
         now = msg.received_at if msg.received_at is not None else self.clock()
+        # The worker's own time on the batch where it says (the header's took_us): the
+        # trainer reads batches when the training loop asks, so ``now`` may be late.
+        worked = msg.took_us / 1e6 if msg.took_us else None
         if fresh and msg.worker_id == owner:
-            took = self.losses.batch_time(owner, msg.seq, now)
+            took = worked if worked is not None else self.losses.batch_time(owner, msg.seq,
+                                                                             now)
             if took is not None and took > 0:
                 self.batch_times.append(took)
         if msg.worker_id == owner:  # a duplicate can overtake a loss too
             lost = self.losses.result(  # (nothing left to overtake: no sort per batch)
                 owner, msg.seq, self.ledger.outstanding(owner) if self.ledger.pending(owner) else [],
-                now)
+                now, took=worked)
             if lost:
                 self.counters["lost"] += len(lost)
                 self._recompute(owner, lost)

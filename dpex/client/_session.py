@@ -1,21 +1,27 @@
-"""The trainer's side of one session, run on the loop thread.
+"""The trainer's side of one session: its two sockets, and who uses them.
 
 It owns the two sockets of one iterator: a bound PULL socket where workers push
 data messages, and a bound ROUTER socket that carries tasks and control
 messages to each worker's DEALER. Both are PLAIN (``authenticated``) or CURVE
 (``encrypted``) servers on a context of the session's own, whose ZAP handler admits
-only this iterator's workers (see ``_security``). Received messages are validated, decoded and
-put on the thread-safe ``handoff`` queue that the training thread reads, as a
-list of the data messages that arrived together; nothing else crosses threads.
+only this iterator's workers (see ``_security``).
 
-The two sockets are plain (synchronous) ZeroMQ sockets read by callbacks on their
-file descriptors (``loop.add_reader``): each callback drains what has arrived with
-non-blocking calls. pyzmq's asyncio sockets cost the loop thread several hundred
-microseconds per batch here (a future, enum flags and rescheduling per call), more
-than the rest of the per-batch path together (docs/BENCHMARKS.md). ZeroMQ's
-descriptor signals that the socket's state may have changed, and any call on the
-socket may consume that signal: so a drain reads ``EVENTS`` until no message is
-left, and every send on the control socket is followed by a drain of it.
+One hop per batch: the **training thread** reads the data socket itself
+(:meth:`TrainerSession.receive`, :meth:`TrainerSession.wait`, which also wakes for
+the ``handoff`` of events) and sends the tasks its credits draw
+(:meth:`TrainerSession.send_all`): no batch and no task crosses to another Python
+thread. The **loop thread** keeps the rest of the control plane: HELLOs, PROGRESS
+and RNG answers (read by a callback on the control socket's descriptor and put on
+the ``handoff``), pings, the monitors and the gate. The control socket is used by
+both threads, never at once (``_ctrl_lock``, which also guards the routes); the
+data socket and the rings by the training thread, and by the loop thread only to
+close them (``_data_lock``, which a wait gives up at once when woken).
+
+ZeroMQ's descriptor signals that the socket's state may have changed, and any call on
+the socket may consume that signal: so a drain reads ``EVENTS`` until no message is
+left, and every send on the control socket is followed by a look at ``EVENTS``; if a
+message waits, the loop thread is asked to drain (pyzmq's asyncio sockets cost several
+hundred microseconds per message here: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import asyncio
 import collections
 import dataclasses
 import os
-import queue
+import threading
 import time
 from typing import Any
 
@@ -37,7 +43,7 @@ from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire
 from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
 from dpex._transport import SOCKET, Receiver, RingTransport
-from dpex.client._events import LoopFailure, RngReply, WorkerHello, WorkerProgress
+from dpex.client._events import Handoff, LoopFailure, RngReply, WorkerHello, WorkerProgress
 from dpex.client._gate import ConnectionGate
 from dpex.client._routes import ControlRoutes
 from dpex.errors import ProtocolError
@@ -45,6 +51,7 @@ from dpex.errors import ProtocolError
 __all__ = ["TrainerSession"]
 
 _MAX_BURST = 64  # data messages handed to the training thread at once, at most
+_POLLIN, _EVENTS = int(zmq.POLLIN), int(zmq.EVENTS)  # (pyzmq's enums cost µs per use)
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -74,9 +81,10 @@ class SessionCounts:
 
 
 class TrainerSession:
-    """Sockets, hello handling and task forwarding of one iterator. Loop thread only."""
+    """Sockets, hello handling and task sending of one iterator (threads: see the
+    module's docstring)."""
 
-    def __init__(self, wire: Wire, host: str, handoff: queue.SimpleQueue,
+    def __init__(self, wire: Wire, host: str, handoff: Handoff,
                  security: str = AUTHENTICATED, accept: AcceptSet | None = None) -> None:
         """``accept``: the peers to accept connections from (default: see
         :func:`~dpex._addresses.accept_set`; it asks Ray)."""
@@ -95,7 +103,10 @@ class TrainerSession:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._data: zmq.Socket | None = None
         self._ctrl: zmq.Socket | None = None
-        self._control_drain_due = False
+        self._ctrl_lock = threading.RLock()  # the control socket and the routes
+        self._data_lock = threading.Lock()  # the data socket and the rings
+        self._closing = False
+        self._poller: zmq.Poller | None = None
         self._tasks: list[asyncio.Task] = []
         self.data_address = ""
         self.control_address = ""
@@ -119,6 +130,9 @@ class TrainerSession:
             sock.setsockopt(zmq.LINGER, 0)
             self.keys.serve(sock)
             keep_alive(sock, receives_data=sock is self._data)
+        self._poller = zmq.Poller()  # the training thread's wait: batches, or an event
+        self._poller.register(self._data, zmq.POLLIN)
+        self._poller.register(self.handoff.fileno(), zmq.POLLIN)
         self._ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Only a holder of the workers' key gets this far, so a worker that reconnects
         # (after a link cut) takes its route over at once instead of being refused
@@ -139,7 +153,6 @@ class TrainerSession:
         self.data_address = tcp_endpoint(self.host, port)
         port = self._ctrl.bind_to_random_port(tcp_endpoint(self.host), low, high + 1)
         self.control_address = tcp_endpoint(self.host, port)
-        self._loop.add_reader(self._data.FD, self._on_data)
         self._loop.add_reader(self._ctrl.FD, self._on_control)
         self._tasks = [
             asyncio.ensure_future(self._guard(self._ping())),
@@ -182,62 +195,69 @@ class TrainerSession:
         except BaseException as exc:
             self.handoff.put(LoopFailure(exc))
 
-    def _on_data(self) -> None:
-        """The data socket may have messages: take what has arrived (a burst at most,
-        the rest right after) and hand it to the training thread in one piece: one
-        wake-up of the training thread per burst of batches, not one per batch."""
-        sock, ready, taken = self._data, [], 0
-        if sock is None or sock.closed or self._loop is None:
-            return  # a call scheduled before close()
-        try:
-            while sock.get(zmq.EVENTS) & zmq.POLLIN:
+    def receive(self) -> list[Message]:
+        """The data messages that have arrived (a burst at most), checked and decoded:
+        the training thread's, with no other thread between the socket and it."""
+        ready: list[Message] = []
+        with self._data_lock:
+            sock = self._data
+            if sock is None or sock.closed:
+                return ready
+            while len(ready) < _MAX_BURST and sock.getsockopt(_EVENTS) & _POLLIN:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:  # a pipe ending woke the socket, not a message
                     break
                 self._accept(frames, ready)
-                taken += 1
-                if taken == _MAX_BURST:
-                    self._loop.call_soon(self._on_data)
-                    break
-            if ready:
-                self.handoff.put(ready)
-        except Exception as exc:
-            self.handoff.put(LoopFailure(exc))
+        return ready
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a data message or an event on the
+        ``handoff`` (training thread). Returns at once when the session is closing."""
+        with self._data_lock:
+            sock = self._data
+            if sock is None or sock.closed or self._closing:
+                time.sleep(min(timeout, 0.05))  # (closed under the caller: it finds out)
+                return
+            self._poller.poll(max(0, int(timeout * 1000)))
+        self.handoff.clear()
 
     def _accept(self, frames: list[Any], ready: list[Message]) -> None:
         try:
-            msg = self.receiver.decode(frames)
+            # (when it was read: the training thread reads when it asks for a batch, so
+            # a batch that waited through a step is stamped late; the worker's own
+            # time per batch comes in its header, took_us)
+            msg = self.receiver.decode(frames, time.monotonic())
         except ProtocolError as exc:
             self.counts.rejected[exc.reason] += 1
             return
         self.counts.received += 1
         self.counts.received_in_ring += msg.in_ring
-        # When it came: the training thread may see it much later (busy with a step).
-        ready.append(dataclasses.replace(msg, received_at=time.monotonic()))
+        ready.append(msg)
 
     async def _ping(self) -> None:
         """Tell every ready worker this trainer lives (a fleet worker frees a session
         that stays silent for its session timeout)."""
         while True:
             await asyncio.sleep(PING_INTERVAL_S)
-            for worker_id in list(self.routes.ready):
-                self.send(worker_id, Kind.PING, 0)
+            with self._ctrl_lock:
+                for worker_id in list(self.routes.ready):
+                    self.send(worker_id, Kind.PING, 0)
 
     def _on_control(self) -> None:
         """The control socket may have messages (HELLO, RNG_STATE, PROGRESS): take them
-        all."""
-        self._control_drain_due = False
-        sock = self._ctrl
-        if sock is None or sock.closed:
-            return  # a call scheduled before close()
+        all (loop thread)."""
         try:
-            while sock.get(zmq.EVENTS) & zmq.POLLIN:
-                try:
-                    identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:  # woken by a pipe ending, not a message (as above)
-                    break
-                self._on_control_message(identity, frames)
+            with self._ctrl_lock:
+                sock = self._ctrl
+                if sock is None or sock.closed:
+                    return  # a call scheduled before close()
+                while sock.getsockopt(_EVENTS) & _POLLIN:
+                    try:
+                        identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:  # woken by a pipe ending, not a message (as above)
+                        break
+                    self._on_control_message(identity, frames)
         except Exception as exc:
             self.handoff.put(LoopFailure(exc))
 
@@ -264,34 +284,33 @@ class TrainerSession:
         self.handoff.put(WorkerHello(msg.worker_id, msg.payload))
 
     def new_ring(self, capacity: int, node_id: str, worker_id: int) -> RingRef:
-        """A shared-memory ring for one worker incarnation (any thread; the loop thread
+        """A shared-memory ring for one worker incarnation (training thread, which
         reads it)."""
-        ring = TrainerRing(len(self.rings), capacity, node_id, worker_id)
-        self.rings[ring.ref.ring_id] = ring
+        with self._data_lock:
+            ring = TrainerRing(len(self.rings), capacity, node_id, worker_id)
+            self.rings[ring.ref.ring_id] = ring
         return ring.ref
 
     def retire_ring(self, ring_id: int) -> None:
         """The ring's worker was replaced: unmap it (its memory goes once the batches
         that view it do) and drop its late messages, whose tasks the replacement redoes."""
-        ring = self.rings[ring_id]
-        ring.retired = True
-        ring.close()
+        with self._data_lock:
+            ring = self.rings[ring_id]
+            ring.retired = True
+            ring.close()
 
     def expect(self, worker_id: int, incarnation: int) -> None:
         """A replacement for ``worker_id`` is starting: hold its messages until its HELLO."""
-        self.routes.expect(worker_id, incarnation)
+        with self._ctrl_lock:
+            self.routes.expect(worker_id, incarnation)
 
     def forget(self, worker_id: int) -> None:
         """A retired worker: no more pings, nothing held for it."""
-        self.routes.forget(worker_id)
+        with self._ctrl_lock:
+            self.routes.forget(worker_id)
 
     def _send(self, worker_id: int, frames: list[bytes]) -> None:
         assert self._ctrl is not None and self._loop is not None
-        if not self._control_drain_due:
-            # A send may consume the socket's readiness signal while a HELLO waits:
-            # look for one right after (once per run of sends).
-            self._control_drain_due = True
-            self._loop.call_soon(self._on_control)
         try:
             self._ctrl.send_multipart([self.routes.identity(worker_id), *frames],
                                       flags=zmq.NOBLOCK)
@@ -303,9 +322,22 @@ class TrainerSession:
             # this and later messages until it announces itself again (a new HELLO).
             self.routes.hold(worker_id, frames, lost=True)
 
+    def _sent(self) -> None:
+        """After a run of sends: a send may consume the control socket's readiness
+        signal while a HELLO waits, so look; if one does, the loop thread drains."""
+        sock, loop = self._ctrl, self._loop
+        if (sock is not None and loop is not None and not sock.closed
+                and sock.getsockopt(_EVENTS) & _POLLIN):
+            loop.call_soon_threadsafe(self._on_control)
+
     def send(self, worker_id: int, kind: Kind, epoch: int, payload: Any = None) -> None:
-        """Send a control message to one worker, held until its HELLO arrives."""
-        self._deliver(worker_id, self.routes.encode(worker_id, kind, epoch, payload))
+        """Send a control message to one worker, held until its HELLO arrives (any
+        thread)."""
+        with self._ctrl_lock:
+            if self._ctrl is None or self._ctrl.closed:
+                return  # closed: the iterator is ending
+            self._deliver(worker_id, self.routes.encode(worker_id, kind, epoch, payload))
+            self._sent()
 
     def _deliver(self, worker_id: int, frames: list[bytes]) -> None:
         if worker_id in self.routes.ready:
@@ -314,25 +346,33 @@ class TrainerSession:
             self.routes.hold(worker_id, frames)
 
     def send_all(self, messages: list[Any]) -> None:
-        """Send the scheduler's ``SendTasks`` and ``Control`` messages, in order."""
-        for m in messages:
-            if m.kind is Kind.TASKS:
-                self.send_tasks(m.worker_id, m.epoch, m.tasks)
-            else:
-                self.send(m.worker_id, m.kind, m.epoch, m.payload)
+        """Send the scheduler's ``SendTasks`` and ``Control`` messages, in order (the
+        training thread, as its credits draw them)."""
+        with self._ctrl_lock:
+            if self._ctrl is None or self._ctrl.closed:
+                return  # closed: the iterator is ending
+            for m in messages:
+                if m.kind is Kind.TASKS:
+                    self.send_tasks(m.worker_id, m.epoch, m.tasks)
+                else:
+                    self._deliver(m.worker_id, self.routes.encode(m.worker_id, m.kind,
+                                                                  m.epoch, m.payload))
+            self._sent()
 
     def send_tasks(self, worker_id: int, epoch: int, tasks: list[tuple[int, Any]]) -> None:
         """Send tasks in as few messages as ``max_message_bytes`` allows. Raises
         :class:`ProtocolError` (``too-large``) for a task over the limit on its own: the
         worker would drop it unseen."""
-        frames = self.routes.encode(worker_id, Kind.TASKS, epoch, tasks)
-        if len(frames[2]) <= self.wire.max_message_bytes:
-            self._deliver(worker_id, frames)
-        elif len(tasks) > 1:
-            half = len(tasks) // 2
-            self.send_tasks(worker_id, epoch, tasks[:half])
-            self.send_tasks(worker_id, epoch, tasks[half:])
-        else:
+        with self._ctrl_lock:
+            frames = self.routes.encode(worker_id, Kind.TASKS, epoch, tasks)
+            if len(frames[2]) <= self.wire.max_message_bytes:
+                self._deliver(worker_id, frames)
+                return
+            if len(tasks) > 1:
+                half = len(tasks) // 2
+                self.send_tasks(worker_id, epoch, tasks[:half])
+                self.send_tasks(worker_id, epoch, tasks[half:])
+                return
             seq = tasks[0][0]
             raise ProtocolError(
                 "too-large", f"the indices of batch {seq} take {len(frames[2]):,} bytes, over "
@@ -340,7 +380,8 @@ class TrainerSession:
                 "DpexDataLoader(max_message_bytes=...) or use smaller batches")
 
     def counters(self) -> dict:
-        """A copy of the counters, taken on the loop thread (where they change)."""
+        """A copy of the counters (any thread: plain numbers, and a dict copied whole
+        under the GIL)."""
         counts = self.counts
         return {"received": counts.received, "received_in_ring": counts.received_in_ring,
                 "security": self.keys.mode,
@@ -351,13 +392,16 @@ class TrainerSession:
         return self.counters()
 
     async def close(self) -> None:
-        for sock in (self._data, self._ctrl):
-            if sock is not None and not sock.closed:
-                if self._loop is not None:
-                    self._loop.remove_reader(sock.FD)
-                # Made with zmq.Socket(ctx, ...): the context's destroy() does not know
-                # them, and its term() would wait for them.
-                sock.close(linger=0)
+        self._closing = True
+        self.handoff.wake()  # a training thread waiting on the data socket lets it go
+        with self._data_lock, self._ctrl_lock:
+            for sock in (self._data, self._ctrl):
+                if sock is not None and not sock.closed:
+                    if self._loop is not None and sock is self._ctrl:
+                        self._loop.remove_reader(sock.FD)
+                    # Made with zmq.Socket(ctx, ...): the context's destroy() does not
+                    # know them, and its term() would wait for them.
+                    sock.close(linger=0)
         for task in self._tasks:
             task.cancel()
         self.gate.close()
@@ -366,5 +410,6 @@ class TrainerSession:
             self._admission.stop()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # the sockets, monitors and the ZAP socket
-        for ring in self.rings.values():
-            ring.close()
+        with self._data_lock:
+            for ring in self.rings.values():
+                ring.close()

@@ -276,10 +276,12 @@ class TaskRunner:
                 raise UnboundLocalError(  # torch's type for this case, with a clearer text
                     "this worker's worker_init_fn failed (raised on its first batch); as in "
                     "torch it has no fetcher until the next epoch")
+            started = time.perf_counter()
             with collating_into(self.ring):
                 batch = (self._fetch_per_sample(indices) if isinstance(indices, Positioned)
                          else self.fetcher.fetch(indices))
             ready_ns = time.time_ns()
+            took_us = max(1, int((time.perf_counter() - started) * 1e6))
         except StopIteration:
             if self.loader.dataset_kind == _DatasetKind.Iterable:
                 self.exhausted = True
@@ -289,7 +291,8 @@ class TaskRunner:
             return self._error(epoch, seq, indices)
         try:
             try:
-                return encode_data(wire, epoch, seq, wid, batch, self.transport, ready_ns)
+                return encode_data(wire, epoch, seq, wid, batch, self.transport, ready_ns,
+                                   took_us)
             except ProtocolError as exc:  # too large: the trainer would drop it unseen
                 raise BatchTooLargeError(f"{exc}; raise DpexDataLoader(max_message_bytes=...) "
                                          "or use smaller batches") from None
