@@ -12,7 +12,9 @@ all alike. Throughput is measured on the second epoch of persistent workers; the
 first warms up (the raw senders likewise send one untimed round first).
 Reported per scenario and loader: median and min–max of batches/s, GB/s, the
 ratio to torch and, for the socket paths, to the raw reference of the same
-security, the trainer process's CPU time per batch and per MiB, time to the first
+security, the trainer process's CPU time per batch (all its threads) and, of it, the
+training thread's CPU time inside ``next()`` (what the training loop itself loses to
+the loader), per MiB, time to the first
 batch (cold: fresh workers; warm: persistent workers, next epoch; fresh: a new
 non-persistent iterator right after the run, on dpex's warm workers, see
 docs/WARM_WORKERS.md) and the trainer's peak RSS above its level before the
@@ -248,7 +250,8 @@ def raw_run(curve: bool, scenario: str, args, batches: int) -> dict:
             "gb_per_s": n * nbytes / elapsed / 1e9, "cpu_us_per_batch": cpu / n * 1e6,
             "cpu_ms_per_mib": cpu * 1e3 / (n * nbytes / 2**20),
             "ttfb_cold_ms": first * 1e3, "ttfb_warm_ms": float("nan"),
-            "peak_rss_mib": (rss.peak - rss.base) / 2**20, "data_wait_pct": float("nan")}
+            "peak_rss_mib": (rss.peak - rss.base) / 2**20, "data_wait_pct": float("nan"),
+            "next_cpu_us_per_batch": float("nan")}
 
 
 def fresh_first_batch(loader_name: str, dataset: Dataset, kw: dict) -> float:
@@ -292,13 +295,14 @@ def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
         next(it)
         ttfb_warm = time.perf_counter() - t1
         cpu0, t1 = time.process_time(), time.perf_counter()
-        n, waited = 1, 0.0
+        n, waited, inside = 1, 0.0, 0.0
         while True:  # the loop body is empty: the share waited in next() is the stall
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 batch = next(it)
             except StopIteration:
                 break
+            inside += time.thread_time() - c  # the training thread's CPU in next()
             waited += time.perf_counter() - t
             nbytes += batch.numel() * batch.element_size()
             n += 1
@@ -315,7 +319,8 @@ def one_run(loader_name: str, scenario: str, args, batches: int) -> dict:
             "cpu_ms_per_mib": cpu * 1e3 / (nbytes / 2**20) if nbytes else float("nan"),
             "ttfb_cold_ms": ttfb_cold * 1e3,
             "ttfb_warm_ms": ttfb_warm * 1e3, "peak_rss_mib": (rss.peak - rss.base) / 2**20,
-            "data_wait_pct": 100 * waited / elapsed}
+            "data_wait_pct": 100 * waited / elapsed,
+            "next_cpu_us_per_batch": inside / (n - 1) * 1e6}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -332,9 +337,10 @@ def _num(value: float, fmt: str = ".0f") -> str:
 
 def table(results: dict) -> str:
     rows = ["| scenario | loader | batches/s (min–max) | GB/s | vs torch | vs raw ZeroMQ "
-            "| trainer CPU µs/batch | trainer CPU ms/MiB | first batch cold ms "
+            "| trainer CPU µs/batch | of it in next() µs | trainer CPU ms/MiB "
+            "| first batch cold ms "
             "| first batch warm ms | first batch fresh ms | peak RSS +MiB | waited in next() % |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for scenario, by_loader in results.items():
         t = by_loader["torch"]["batches_per_s"]["median"]
         for name in by_loader:
@@ -347,6 +353,7 @@ def table(results: dict) -> str:
                 f"| {scenario} | {name} | {b['median']:.0f} ({b['min']:.0f}–{b['max']:.0f}) | "
                 f"{s['gb_per_s']['median']:.2f} | {ratio} | {wire} | "
                 f"{s['cpu_us_per_batch']['median']:.0f} | "
+                f"{_num(s.get('next_cpu_us_per_batch', {}).get('median', float('nan')))} | "
                 f"{_num(s['cpu_ms_per_mib']['median'], '.3f')} | "
                 f"{_num(s['ttfb_cold_ms']['median'])} | "
                 f"{_num(s['ttfb_warm_ms']['median'])} | {_num(s['ttfb_fresh_ms']['median'])} | "
@@ -414,6 +421,7 @@ def main() -> None:
                     print(f"[{rep + 1}/{args.repeats}] {scenario:6s} {name:15s} "
                           f"{r['batches_per_s']:8.1f} batches/s  {r['gb_per_s']:6.2f} GB/s  "
                           f"CPU {r['cpu_us_per_batch']:7.0f} µs/batch "
+                          f"(next() {_num(r['next_cpu_us_per_batch'])}) "
                           f"{_num(r['cpu_ms_per_mib'], '.3f')} ms/MiB  first "
                           f"{_num(r['ttfb_cold_ms'])}/{_num(r['ttfb_warm_ms'])} ms", flush=True)
     finally:

@@ -46,7 +46,7 @@ from dpex._transport import SOCKET, Receiver, RingTransport
 from dpex.client._events import Handoff, LoopFailure, RngReply, WorkerHello, WorkerProgress
 from dpex.client._gate import ConnectionGate
 from dpex.client._routes import ControlRoutes
-from dpex.errors import ProtocolError
+from dpex.errors import EventLoopError, ProtocolError
 
 __all__ = ["TrainerSession"]
 
@@ -106,6 +106,7 @@ class TrainerSession:
         self._ctrl_lock = threading.RLock()  # the control socket and the routes
         self._data_lock = threading.Lock()  # the data socket and the rings
         self._closing = False
+        self._pid = os.getpid()  # a forked child's copy must not touch the sockets
         self._poller: zmq.Poller | None = None
         self._tasks: list[asyncio.Task] = []
         self.data_address = ""
@@ -195,10 +196,18 @@ class TrainerSession:
         except BaseException as exc:
             self.handoff.put(LoopFailure(exc))
 
+    def _owned(self) -> None:
+        """Raise in a forked child: its copies of the sockets are the parent's (ZeroMQ
+        sockets do not survive a fork), and so may be the locks' states."""
+        if os.getpid() != self._pid:
+            raise EventLoopError(f"this dpex iterator belongs to process {self._pid}; a "
+                                 "forked child cannot use it (iterate the loader anew there)")
+
     def receive(self) -> list[Message]:
         """The data messages that have arrived (a burst at most), checked and decoded:
         the training thread's, with no other thread between the socket and it."""
         ready: list[Message] = []
+        self._owned()
         with self._data_lock:
             sock = self._data
             if sock is None or sock.closed:
@@ -214,6 +223,7 @@ class TrainerSession:
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a data message or an event on the
         ``handoff`` (training thread). Returns at once when the session is closing."""
+        self._owned()
         with self._data_lock:
             sock = self._data
             if sock is None or sock.closed or self._closing:
@@ -286,6 +296,7 @@ class TrainerSession:
     def new_ring(self, capacity: int, node_id: str, worker_id: int) -> RingRef:
         """A shared-memory ring for one worker incarnation (training thread, which
         reads it)."""
+        self._owned()
         with self._data_lock:
             ring = TrainerRing(len(self.rings), capacity, node_id, worker_id)
             self.rings[ring.ref.ring_id] = ring
@@ -294,6 +305,7 @@ class TrainerSession:
     def retire_ring(self, ring_id: int) -> None:
         """The ring's worker was replaced: unmap it (its memory goes once the batches
         that view it do) and drop its late messages, whose tasks the replacement redoes."""
+        self._owned()
         with self._data_lock:
             ring = self.rings[ring_id]
             ring.retired = True
@@ -301,11 +313,13 @@ class TrainerSession:
 
     def expect(self, worker_id: int, incarnation: int) -> None:
         """A replacement for ``worker_id`` is starting: hold its messages until its HELLO."""
+        self._owned()
         with self._ctrl_lock:
             self.routes.expect(worker_id, incarnation)
 
     def forget(self, worker_id: int) -> None:
         """A retired worker: no more pings, nothing held for it."""
+        self._owned()
         with self._ctrl_lock:
             self.routes.forget(worker_id)
 
@@ -333,6 +347,7 @@ class TrainerSession:
     def send(self, worker_id: int, kind: Kind, epoch: int, payload: Any = None) -> None:
         """Send a control message to one worker, held until its HELLO arrives (any
         thread)."""
+        self._owned()
         with self._ctrl_lock:
             if self._ctrl is None or self._ctrl.closed:
                 return  # closed: the iterator is ending
@@ -348,6 +363,7 @@ class TrainerSession:
     def send_all(self, messages: list[Any]) -> None:
         """Send the scheduler's ``SendTasks`` and ``Control`` messages, in order (the
         training thread, as its credits draw them)."""
+        self._owned()
         with self._ctrl_lock:
             if self._ctrl is None or self._ctrl.closed:
                 return  # closed: the iterator is ending
