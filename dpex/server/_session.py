@@ -6,6 +6,12 @@ does a session's own process (:mod:`dpex.server._session_process`): the asyncio
 thread owns the control socket and feeds tasks to one compute thread, which owns
 the data socket and does fetch → collate → encode → send with no thread hop per
 batch.
+
+The control socket is a plain ZeroMQ socket read by a callback on its descriptor
+(:class:`ControlChannel`), as the trainer's are: pyzmq's asyncio sockets, awaited
+under ``wait_for``, cost this thread about 200 µs of CPU per TASKS message on a
+busy 2-core node (a future, a task and a timer per message), more than the rest of
+the worker's own per-batch path (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -45,6 +52,7 @@ from dpex.server._trainer_state import leave_trainer_state
 __all__ = ["Session", "SessionServer"]
 
 _RNG_WAIT_S = 5.0  # how long an RNG_QUERY answer waits for the compute thread to get there
+_POLLIN, _EVENTS = int(zmq.POLLIN), int(zmq.EVENTS)  # (pyzmq's enums cost µs per use)
 _RESUME = object()
 _SKIP = object()
 
@@ -85,13 +93,64 @@ class Session:
         return epoch, seq, (0.0 if seq == IDLE else now - since, queued)
 
 
+class ControlChannel:
+    """A session's control socket (its DEALER to the trainer's ROUTER) on this thread's
+    event loop: a plain socket whose messages a callback on its descriptor hands to
+    ``on_message`` as they come (:meth:`start`), and :meth:`send`, which never blocks.
+    ZeroMQ's descriptor signals that the socket's state may have changed and any call
+    may consume that signal, so a drain reads ``EVENTS`` until nothing is left, and a
+    send that leaves a message waiting drains again. ``failed`` holds what broke the
+    reading (it ends the session)."""
+
+    def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock, self.loop = sock, loop
+        self.failed: asyncio.Future = loop.create_future()
+        self._on_message: Callable[[list[bytes]], None] | None = None
+
+    def start(self, on_message: Callable[[list[bytes]], None]) -> None:
+        self._on_message = on_message
+        self.loop.add_reader(self.sock.FD, self._drain)
+        self._drain()  # what came before the reader was there
+
+    def stop(self) -> None:
+        if self._on_message is not None and not self.sock.closed:
+            self.loop.remove_reader(self.sock.FD)
+        self._on_message = None
+
+    def _drain(self) -> None:
+        sock, handle = self.sock, self._on_message
+        if handle is None or sock.closed:
+            return
+        try:
+            while sock.getsockopt(_EVENTS) & _POLLIN:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:  # woken by a pipe ending, not a message
+                    break
+                handle(frames)
+        except Exception as exc:
+            if not self.failed.done():
+                self.failed.set_exception(exc)
+
+    def send(self, frames: list[Any]) -> bool:
+        """Queue ``frames`` for the trainer; False if ZeroMQ's queue is full (the trainer
+        unreachable for long: PROGRESS reports are dropped then, not piled up)."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        if self._on_message is not None and self.sock.getsockopt(_EVENTS) & _POLLIN:
+            self.loop.call_soon(self._drain)
+        return True
+
+
 class ConnectionLog:
     """What happened to the control socket's connection (ZeroMQ's monitor events), for
     the error that says why the trainer was never heard from."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, hello: list | None = None) -> None:
-        self.sock = sock
-        self.monitor = sock.get_monitor_socket()
+    def __init__(self, channel: ControlChannel, hello: list | None = None) -> None:
+        self.channel = channel
+        self.monitor = channel.sock.get_monitor_socket()
         self.events: collections.Counter[str] = collections.Counter()
         self.hello = hello  # sent again on every reconnection
 
@@ -103,7 +162,7 @@ class ConnectionLog:
             if name == "HANDSHAKE_SUCCEEDED" and self.events[name] > 1 and self.hello:
                 # A new connection after a lost one (heartbeats closed it, a link cut):
                 # announce again, so the trainer sends what it held back meanwhile.
-                await self.sock.send_multipart(self.hello)
+                self.channel.send(self.hello)
 
     def unreachable(self, spec: WorkerSpec, node: str, waited: float) -> WorkerStartupError:
         seen = ", ".join(f"{name} x{n}" for name, n in self.events.items()) or "none"
@@ -155,7 +214,9 @@ class SessionServer:
             spec.wire, incarnation=spec.incarnation))
         _set_thread_niceness(spec.niceness)  # this loop thread, and zmq's I/O thread below
         ctx = zmq.asyncio.Context()
-        ctrl = ctx.socket(zmq.DEALER)
+        # A plain socket on the asyncio context (its monitor is an asyncio socket).
+        ctrl = zmq.Socket(ctx, zmq.DEALER)
+        channel = ControlChannel(ctrl, loop)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         halt = threading.Event()
         done: asyncio.Future = loop.create_future()
@@ -176,17 +237,18 @@ class SessionServer:
             hello = {"versions": local_versions(), **self.placement,
                      "niceness": os.getpriority(os.PRIO_PROCESS, 0), "transport": transport}
             hello_frames = spec.wire.encode(Kind.HELLO, worker_id=spec.worker_id, payload=hello)
-            log = ConnectionLog(ctrl, hello_frames)
+            log = ConnectionLog(channel, hello_frames)
             watcher = asyncio.ensure_future(log.run())
             ctrl.connect(spec.control_address)
             # HELLO as soon as the actor is up: start-up time is placement and process start.
             # Loading the dataset and worker_init_fn count, as in torch, towards the
             # first batch (and torch's ``timeout``).
-            await ctrl.send_multipart(hello_frames)
+            channel.send(hello_frames)
             compute.start()
-            reader = asyncio.ensure_future(self.read_control(ctrl, spec, inbox, session, log))
+            reader = asyncio.ensure_future(self.read_control(channel, spec, inbox, session,
+                                                             log))
             stopper = asyncio.ensure_future(session.stop.wait())
-            beat = asyncio.ensure_future(_send_progress(ctrl, spec, session, inbox))
+            beat = asyncio.ensure_future(_send_progress(channel, spec, session, inbox))
             try:
                 await asyncio.wait({reader, stopper, done, beat},
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -214,6 +276,7 @@ class SessionServer:
                 await asyncio.gather(watcher, return_exceptions=True)
             if log is not None:
                 log.close()
+            channel.stop()
             ctrl.close(0)
             ctx.term()
             if ring is not None and not compute.is_alive():
@@ -274,54 +337,73 @@ class SessionServer:
             ctx.term()
         loop.call_soon_threadsafe(_settle, done, *outcome)
 
-    async def read_control(self, ctrl: zmq.asyncio.Socket, spec: WorkerSpec,
-                            inbox: queue.SimpleQueue, session: Session,
-                            log: ConnectionLog | None = None) -> None:
+    async def read_control(self, channel: ControlChannel, spec: WorkerSpec,
+                           inbox: queue.SimpleQueue, session: Session,
+                           log: ConnectionLog | None = None) -> None:
+        """Read the session's control messages as they come until the trainer has been
+        silent for ``session_timeout`` (it pings every second while it lives): then the
+        session ends, or, if it was never heard from, fails saying why."""
+        loop = asyncio.get_running_loop()
         fresh = ControlFreshness()
-        heard = False
-        while True:
-            try:
-                frames = await asyncio.wait_for(ctrl.recv_multipart(), self.session_timeout)
-            except asyncio.TimeoutError:
-                if heard or log is None:
-                    return  # the trainer stopped pinging: it is gone, the session ends
-                node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
-                raise log.unreachable(spec, node, self.session_timeout) from None
-            heard = True
-            try:
-                msg = spec.wire.decode(frames)
-            except ProtocolError:
-                continue
-            if not fresh.accept(msg.seq):  # delivered before (a replay) or out of order
-                self.count_rejected()
-                continue
-            if msg.kind is Kind.TASKS:
-                tasks, marks = msg.payload
-                # A RESUME or SKIP lost with a connection comes with the tasks that need it.
-                for mark, payload, epoch in session.marks.repair(marks):
-                    if mark == "resume":
-                        session.epoch_floor = epoch
-                    inbox.put((_RESUME if mark == "resume" else _SKIP, payload, epoch))
-                for seq, indices in tasks:
-                    inbox.put((msg.epoch, seq, indices))
-            elif msg.kind is Kind.RESUME:
-                if session.marks.resume(msg.epoch):
-                    session.epoch_floor = msg.epoch  # tasks of earlier epochs are skipped
-                    inbox.put((_RESUME, msg.payload, msg.epoch))
-            elif msg.kind is Kind.SKIP:
-                if session.marks.skip(msg.epoch, msg.payload):
-                    inbox.put((_SKIP, msg.payload, msg.epoch))
-            elif msg.kind is Kind.RNG_QUERY:
-                answer = asyncio.ensure_future(
-                    self._answer_rng(ctrl, spec, session, msg.epoch, msg.payload))
-                session.answers.add(answer)
-                answer.add_done_callback(session.answers.discard)
-            elif msg.kind is Kind.STOP:
-                session.stop.set()
+        started = loop.time()
+        heard: list[float] = []  # when the last message came (none yet)
 
+        def on_message(frames: list[bytes]) -> None:
+            heard[:] = [loop.time()]
+            self._on_control(frames, channel, spec, inbox, session, fresh)
+
+        channel.start(on_message)
+        try:
+            while True:
+                left = (heard[0] if heard else started) + self.session_timeout - loop.time()
+                if left <= 0:
+                    if heard or log is None:
+                        return  # the trainer stopped pinging: it is gone, the session ends
+                    node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
+                    raise log.unreachable(spec, node, self.session_timeout)
+                await asyncio.wait({channel.failed}, timeout=min(left, 1.0))
+                if channel.failed.done():
+                    channel.failed.result()  # re-raise what broke the reading
+        finally:
+            channel.stop()
+
+    def _on_control(self, frames: list[bytes], channel: ControlChannel, spec: WorkerSpec,
+                    inbox: queue.SimpleQueue, session: Session,
+                    fresh: ControlFreshness) -> None:
+        """One control message from the trainer, checked, applied in order."""
+        try:
+            msg = spec.wire.decode(frames)
+        except ProtocolError:
+            return
+        if not fresh.accept(msg.seq):  # delivered before (a replay) or out of order
+            self.count_rejected()
+            return
+        if msg.kind is Kind.TASKS:
+            tasks, marks = msg.payload
+            # A RESUME or SKIP lost with a connection comes with the tasks that need it.
+            for mark, payload, epoch in session.marks.repair(marks):
+                if mark == "resume":
+                    session.epoch_floor = epoch
+                inbox.put((_RESUME if mark == "resume" else _SKIP, payload, epoch))
+            for seq, indices in tasks:
+                inbox.put((msg.epoch, seq, indices))
+        elif msg.kind is Kind.RESUME:
+            if session.marks.resume(msg.epoch):
+                session.epoch_floor = msg.epoch  # tasks of earlier epochs are skipped
+                inbox.put((_RESUME, msg.payload, msg.epoch))
+        elif msg.kind is Kind.SKIP:
+            if session.marks.skip(msg.epoch, msg.payload):
+                inbox.put((_SKIP, msg.payload, msg.epoch))
+        elif msg.kind is Kind.RNG_QUERY:
+            answer = asyncio.ensure_future(
+                self._answer_rng(channel, spec, session, msg.epoch, msg.payload))
+            session.answers.add(answer)
+            answer.add_done_callback(session.answers.discard)
+        elif msg.kind is Kind.STOP:
+            session.stop.set()
 
     @staticmethod
-    async def _answer_rng(ctrl: zmq.asyncio.Socket, spec: WorkerSpec, session: Session,
+    async def _answer_rng(channel: ControlChannel, spec: WorkerSpec, session: Session,
                           epoch: int, seq: int) -> None:
         """Answer RNG_QUERY: the RNG states right after task ``seq`` of ``epoch`` (-1:
         when the epoch began). The compute thread may not be there yet (its runner still
@@ -346,10 +428,10 @@ class SessionServer:
                          f"bytes, over max_message_bytes={spec.wire.max_message_bytes:,}: "
                          "raise DpexDataLoader(max_message_bytes=...) or keep less in the "
                          "dataset's state_dict()"})
-        await ctrl.send_multipart(frames)
+        channel.send(frames)
 
 
-async def _send_progress(ctrl: zmq.asyncio.Socket, spec: WorkerSpec, session: Session,
+async def _send_progress(channel: ControlChannel, spec: WorkerSpec, session: Session,
                          inbox: queue.SimpleQueue) -> None:
     """Every PROGRESS_INTERVAL_S: what the compute thread works on, and for how long.
     Sent from this (control) thread, so a worker whose compute thread sleeps in
@@ -358,8 +440,7 @@ async def _send_progress(ctrl: zmq.asyncio.Socket, spec: WorkerSpec, session: Se
     while True:
         await asyncio.sleep(PROGRESS_INTERVAL_S)
         epoch, seq, working = session.progress(time.monotonic(), inbox.qsize())
-        await ctrl.send_multipart(spec.wire.encode(Kind.PROGRESS, epoch, seq, spec.worker_id,
-                                                   working))
+        channel.send(spec.wire.encode(Kind.PROGRESS, epoch, seq, spec.worker_id, working))
 
 
 def _attach_ring(spec: WorkerSpec, node_id: str) -> tuple[WorkerRing | None, str]:
