@@ -196,6 +196,7 @@ class _Layout:
         self.leaves: list[tuple] = []  # (rebuild, dtype, ndim, requires_grad)
         self.tree = self._compile(template)
         self.ndims = sum(leaf[2] for leaf in self.leaves)
+        self.dims = struct.Struct(f"<{self.ndims}q")
 
     def _compile(self, node: Any) -> Any:
         tag = node[0]
@@ -250,9 +251,9 @@ def _decode_layout(body: memoryview, buffers: Sequence[Any]) -> Any:
             _LAYOUTS.clear()
         _LAYOUTS[template] = layout
     rest = len(body) - _HEAD.size - n
-    if rest != 8 * layout.ndims:
+    if rest != layout.dims.size:
         raise ValueError(f"layout of {layout.ndims} dimensions, {rest} bytes of shapes")
-    dims = struct.unpack_from(f"<{layout.ndims}q", body, _HEAD.size + n)
+    dims = layout.dims.unpack_from(body, _HEAD.size + n)
     if dims and min(dims) < 0:
         raise ValueError(f"layout: a negative dimension in {dims}")
     return layout.build(dims, buffers)

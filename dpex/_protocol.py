@@ -122,6 +122,7 @@ class Kind(enum.IntEnum):
     PROGRESS = 18
 
 
+_KINDS = {int(k): k for k in Kind}  # (a dict lookup: Kind(n) costs µs per message)
 # What a worker sends its trainer's data socket: batches (by transport), errors, ENDs.
 DATA_KINDS = frozenset({Kind.BATCH, Kind.RING_BATCH, Kind.MEMORY_BATCH, Kind.ERROR, Kind.END})
 
@@ -141,21 +142,20 @@ class Message:
     took_us: int = 0  # the worker's time on the batch (0: not a batch, or not measured)
 
 
-@dataclass(frozen=True)
 class Envelope:
     """An authenticated message, not unpickled: its header fields, its body and its
-    buffer frames (views of the received frames)."""
+    buffer frames (views of the received frames). (A plain class with slots: one is
+    made per batch, and a frozen dataclass costs several µs to build.)"""
 
-    kind: Kind
-    session_id: bytes
-    epoch: int
-    seq: int
-    worker_id: int
-    incarnation: int
-    body: memoryview
-    buffers: list[memoryview]
-    ready_ns: int = 0
-    took_us: int = 0
+    __slots__ = ("kind", "session_id", "epoch", "seq", "worker_id", "incarnation", "body",
+                 "buffers", "ready_ns", "took_us")
+
+    def __init__(self, kind: Kind, session_id: bytes, epoch: int, seq: int, worker_id: int,
+                 incarnation: int, body: memoryview, buffers: list[memoryview],
+                 ready_ns: int = 0, took_us: int = 0) -> None:
+        self.kind, self.session_id, self.epoch, self.seq = kind, session_id, epoch, seq
+        self.worker_id, self.incarnation, self.body = worker_id, incarnation, body
+        self.buffers, self.ready_ns, self.took_us = buffers, ready_ns, took_us
 
     def unpickle(self) -> Any:
         return pickle.loads(self.body)
@@ -236,17 +236,17 @@ class Wire:
                                 f"protocol {version}, this side speaks {PROTOCOL_VERSION}")
         if sid != self.session_id:
             raise ProtocolError("session", "message of another session")
-        try:
-            kind = Kind(kind)
-        except ValueError:
-            raise ProtocolError("kind", f"unknown message kind {kind}") from None
+        known = _KINDS.get(kind)
+        if known is None:
+            raise ProtocolError("kind", f"unknown message kind {kind}")
+        kind = known
         if len(frames) != 3 + n:
             raise ProtocolError("frame-count", f"{len(frames)} frames, header says {3 + n}")
         body, buffers = memoryview(frames[2]), [memoryview(f) for f in frames[3:]]
         size = body.nbytes + sum(b.nbytes for b in buffers)
         if size > self.max_message_bytes:
             raise ProtocolError("too-large", f"{size:,} bytes")
-        if not hmac.compare_digest(memoryview(frames[1]).tobytes(), self._mac(head, body, buffers)):
+        if not hmac.compare_digest(memoryview(frames[1]), self._mac(head, body, buffers)):
             raise ProtocolError("mac", "authentication failed")
         return Envelope(kind, sid, epoch, seq, worker_id, incarnation, body, buffers, ready_ns,
                         took_us)

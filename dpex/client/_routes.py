@@ -34,8 +34,10 @@ class ControlRoutes:
         self.marks = SentMarks()
 
     def identity(self, worker_id: int) -> bytes:
-        return self._identities.get(worker_id) or worker_identity(
-            worker_id, 0, self.wire.key)
+        found = self._identities.get(worker_id)
+        if found is None:  # its first incarnation's (kept: a keyed hash per message costs)
+            found = self._identities[worker_id] = worker_identity(worker_id, 0, self.wire.key)
+        return found
 
     def expect(self, worker_id: int, incarnation: int) -> None:
         """A replacement for ``worker_id`` is starting: forget its predecessor's route,

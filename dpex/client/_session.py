@@ -39,6 +39,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from dpex._addresses import AcceptSet, accept_set, port_range, raise_fd_limit, tcp_endpoint
+from dpex._frames import recv_frames, send_frames
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire
 from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
@@ -51,7 +52,8 @@ from dpex.errors import EventLoopError, ProtocolError
 __all__ = ["TrainerSession"]
 
 _MAX_BURST = 64  # data messages handed to the training thread at once, at most
-_POLLIN, _EVENTS = int(zmq.POLLIN), int(zmq.EVENTS)  # (pyzmq's enums cost µs per use)
+# (pyzmq's enums cost µs per use)
+_POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -214,7 +216,7 @@ class TrainerSession:
                 return ready
             while len(ready) < _MAX_BURST and sock.getsockopt(_EVENTS) & _POLLIN:
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = recv_frames(sock, _NOBLOCK, copy=False)
                 except zmq.Again:  # a pipe ending woke the socket, not a message
                     break
                 self._accept(frames, ready)
@@ -264,7 +266,7 @@ class TrainerSession:
                     return  # a call scheduled before close()
                 while sock.getsockopt(_EVENTS) & _POLLIN:
                     try:
-                        identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
+                        identity, *frames = recv_frames(sock, _NOBLOCK)
                     except zmq.Again:  # woken by a pipe ending, not a message (as above)
                         break
                     self._on_control_message(identity, frames)
@@ -326,8 +328,7 @@ class TrainerSession:
     def _send(self, worker_id: int, frames: list[bytes]) -> None:
         assert self._ctrl is not None and self._loop is not None
         try:
-            self._ctrl.send_multipart([self.routes.identity(worker_id), *frames],
-                                      flags=zmq.NOBLOCK)
+            send_frames(self._ctrl, [self.routes.identity(worker_id), *frames], _NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise

@@ -33,6 +33,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dpex._addresses import ACCEPT_FROM_ENV, ADVERTISE_ENV, PORT_RANGE_ENV
 from dpex._epoch_marks import AppliedMarks
+from dpex._frames import recv_frames, send_frames
 from dpex._protocol import (
     IDLE,
     LOADING,
@@ -52,7 +53,8 @@ from dpex.server._trainer_state import leave_trainer_state
 __all__ = ["Session", "SessionServer"]
 
 _RNG_WAIT_S = 5.0  # how long an RNG_QUERY answer waits for the compute thread to get there
-_POLLIN, _EVENTS = int(zmq.POLLIN), int(zmq.EVENTS)  # (pyzmq's enums cost µs per use)
+# (pyzmq's enums cost µs per use)
+_POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
 _RESUME = object()
 _SKIP = object()
 
@@ -124,7 +126,7 @@ class ControlChannel:
         try:
             while sock.getsockopt(_EVENTS) & _POLLIN:
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = recv_frames(sock, _NOBLOCK)
                 except zmq.Again:  # woken by a pipe ending, not a message
                     break
                 handle(frames)
@@ -136,7 +138,7 @@ class ControlChannel:
         """Queue ``frames`` for the trainer; False if ZeroMQ's queue is full (the trainer
         unreachable for long: PROGRESS reports are dropped then, not piled up)."""
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(self.sock, frames, _NOBLOCK)
         except zmq.Again:
             return False
         if self._on_message is not None and self.sock.getsockopt(_EVENTS) & _POLLIN:
@@ -323,7 +325,7 @@ class SessionServer:
                 frames = state.run_task(epoch, seq, indices)
                 while not halt.is_set():
                     try:
-                        data.send_multipart(frames, copy=False)
+                        send_frames(data, frames, copy=False)
                         self.count(sum(memoryview(f).nbytes for f in frames))
                         break
                     except zmq.Again:
