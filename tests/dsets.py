@@ -446,25 +446,24 @@ def lossy(worker_id: int, victim: int, seqs: tuple[int, ...], once: str = "") ->
             os.close(os.open(once, os.O_CREAT | os.O_EXCL))
         except FileExistsError:
             return
-    import zmq
-
+    import dpex.server._session as session
     from dpex._protocol import HEADER_SIZE, Kind
 
     data_kinds = {Kind.BATCH, Kind.RING_BATCH, Kind.ERROR, Kind.END}
 
-    send = zmq.Socket.send_multipart
+    send = session.send_frames  # (what a worker's session sends every message with)
     left = set(seqs)
 
-    def send_multipart(self, frames, *args, **kwargs):
+    def send_frames(sock, frames, *args, **kwargs):
         head = memoryview(frames[0]).tobytes() if frames else b""
         if len(head) == HEADER_SIZE:
             kind, seq = head[1], struct.unpack_from("<q", head, 22)[0]
             if kind in data_kinds and seq in left:
                 left.discard(seq)
                 return None  # gone on the way
-        return send(self, frames, *args, **kwargs)
+        return send(sock, frames, *args, **kwargs)
 
-    zmq.Socket.send_multipart = send_multipart
+    session.send_frames = send_frames
 
 
 class NoisyShards(ShardedRange):
