@@ -9,6 +9,13 @@ case "$PROCESSES" in
   ""|*[!0-9]*) echo "DPEX_TEST_PROCESSES must be a number of test processes, got '$PROCESSES'" >&2
                exit 2 ;;
 esac
+# A first argument `fast`, `ray` or `e2e` runs one tier (README, Development): fast
+# needs neither Ray nor a subprocess, ray is the shared Ray instance, e2e the rest.
+case "${1:-}" in
+  fast) shift; set -- -m "not ray and not e2e" "$@" ;;
+  ray)  shift; set -- -m "ray" "$@" ;;
+  e2e)  shift; set -- -m "e2e" "$@" ;;
+esac
 DPEX_EXTRAS=test,dev,examples,bench
 source "$(dirname "$0")/_env.sh"
 if [ "$PROCESSES" -gt 1 ]; then

@@ -63,3 +63,23 @@ def no_leaked_actors(request):
 
     gc.collect()  # iterators kept alive only by reference cycles (tracebacks) go now
     dsets.wait_no_workers(limit=10.0)
+
+
+# Test files whose tests (those that are not on the shared Ray instance already) start
+# processes: examples and doc pages run as a user runs them, a session's own process,
+# torch's worker processes, a script after `ray.shutdown()`. With the `slow` tests they
+# are the `e2e` tier (README, Development).
+E2E_FILES = frozenset({"test_docs.py", "test_session_process.py",
+                       "test_resume_conformance.py", "test_ray_shutdown.py",
+                       "test_worker_env.py"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers as markers: ``ray`` for a test on the shared Ray instance (the
+    ``ray_session`` fixture, directly or through ``usefixtures``), ``e2e`` for a slow
+    test or one of E2E_FILES; the ``fast`` tier is neither (scripts/test.sh fast)."""
+    for item in items:
+        if item.get_closest_marker("slow") or item.path.name in E2E_FILES:
+            item.add_marker(pytest.mark.e2e)
+        elif "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
