@@ -8,7 +8,8 @@ import queue
 import zmq
 import zmq.asyncio
 
-from dpex.server._session import ControlChannel, Session, SessionServer
+from dpex.server._control import ControlChannel
+from dpex.server._session import Session, SessionServer
 
 
 @contextlib.asynccontextmanager
