@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from dpex._autoscale import Autoscale
 
@@ -45,6 +45,30 @@ _DOWN_MARGIN = 0.35
 _GAIN = 0.3  # of the proportional gain a scale-up must show to be kept
 _HOLD_WINDOWS = 2
 _CEILING_WINDOWS = 30
+
+
+class _Measurement(NamedTuple):
+    """What one window measured (the module docstring's ``stall``, ``step`` and ``need``)."""
+
+    span: float  # seconds it lasted
+    stall: float
+    rate: float  # batches the loop took per second
+    batch_s: float | None  # the workers' recent time per batch (None: not measured)
+    step: float | None  # None: the loop took no batch
+    need: float | None
+
+    def figures(self) -> dict[str, float | None]:
+        """What a decision records with its reason."""
+        return {"stall_share": self.stall, "batch_s": self.batch_s, "step_s": self.step,
+                "batches_per_s": self.rate, "need": self.need}
+
+    def explain(self) -> str:
+        """Where ``need`` comes from, for a decision's reason."""
+        if self.need is None:
+            return "no batch time measured yet"
+        assert self.batch_s is not None and self.step is not None
+        return (f"a batch takes a worker {self.batch_s * 1e3:.0f} ms and the loop "
+                f"{self.step * 1e3:.0f} ms: {self.need:.1f} workers keep up")
 
 
 class Autoscaler:
@@ -81,6 +105,22 @@ class Autoscaler:
         cumulative wait (s) and batches; ``starting``: added workers without a first
         result yet; ``room``: how many more workers the cluster can place (None: no
         limit); ``in_flight``: batches dispatched and not yet taken."""
+        measured = self._measure(now, waited, taken, workers, batch_s)
+        if measured is None or self._paused(starting, taken):
+            return None
+        judged = self._judge_trial(now, workers, measured)  # rule 2
+        if judged is not None:
+            return judged
+        if self._ceiling is not None and now >= self._ceiling[1]:
+            self._ceiling = None  # its time is up: tried again (rule 2)
+        if measured.stall > self.policy.target:
+            return self._scale_up(now, workers, room, taken, in_flight, measured)
+        return self._scale_down(now, workers, measured)
+
+    def _measure(self, now: float, waited: float, taken: int, workers: int,
+                 batch_s: float | None) -> _Measurement | None:
+        """What the window that ends now measured, recorded in ``history``; None while
+        no window has passed (the first call only starts one)."""
         if self._window is None:
             self.begin(now, waited, taken)
             return None
@@ -97,64 +137,83 @@ class Autoscaler:
         self.history.append({"t": now - self.started, "workers": workers,
                              "stall_share": stall, "batches_per_s": rate,
                              "batch_s": batch_s, "step_s": step})
+        return _Measurement(span, stall, rate, batch_s, step, need)
+
+    def _paused(self, starting: int, taken: int) -> bool:
+        """Whether this window makes no decision (rule 5): a scale-up still settles or
+        settled in it, or a hold (after a change, an epoch's first window) runs."""
         settling = bool(starting) or (self._drain_at is not None and taken < self._drain_at)
         if settling or self._settling:  # (the window it settled in is partly its own)
             self._settling = settling
             if not settling:
                 self._drain_at = None
-            return None
+            return True
         if self._hold:
             self._hold -= 1
-            return None
-        figures = {"stall_share": stall, "batch_s": batch_s, "step_s": step,
-                   "batches_per_s": rate, "need": need}
-        target = self.policy.target
+            return True
+        return False
+
+    def _judge_trial(self, now: float, workers: int, measured: _Measurement) -> int | None:
+        """Rule 2: the first window after a scale-up settled judges it (once). If the
+        loop still stalls and its rate grew by less than the added workers should have
+        given, the count the gain is worth, which becomes a ceiling; else None."""
         trial, self._trial = self._trial, None
-        if trial is not None and stall > target and workers > trial[0]:
-            before, rate_before = trial
-            expected = rate_before * (1 + _GAIN * (workers - before) / before)
-            # the workers the gain is worth: as many as the rate grew (x before)
-            keep = max(before, min(workers, round(before * rate / max(rate_before, 1e-9))))
-            if rate < expected and keep < workers:
-                self._ceiling = (keep, now + self._backoff * self.policy.interval)
-                self._backoff *= 2
-                return self._decide(now, workers, keep, figures, (
-                    f"{before} -> {workers} workers took the loop from {rate_before:.1f} to "
-                    f"only {rate:.1f} batches/s: more workers than {keep} do not help here "
-                    f"(they compete for CPUs?); {keep} for now"))
-        if self._ceiling is not None and now >= self._ceiling[1]:
-            self._ceiling = None
-        if stall > target:
-            self._calm = 0
-            enough = need is not None and need * (1 + _UP_MARGIN) <= workers
-            self._blocked = self._blocked + 1 if enough else 0
-            if enough and self._blocked < self.policy.patience:
-                return None  # enough by their batch times: the wait may be elsewhere (a
-                # slow start, the transfer); if it lasts, one more is tried (a trial)
-            top = self.most if self._ceiling is None else min(self.most, self._ceiling[0])
-            if room is not None:
-                top = min(top, workers + room)
-            if workers >= top:
-                return None
-            want = workers * 2 if need is None else math.ceil(need * (1 + _UP_MARGIN))
-            new = min(top, workers + 1 if enough else max(workers + 1, want))
-            self._blocked = 0
-            self._trial = (workers, rate)
-            self._drain_at = taken + in_flight  # what the old workers hold comes first
-            return self._decide(now, workers, new, figures, (
-                f"the loop waited for data {stall:.0%} of the last {span:.1f} s (target "
-                f"{target:.0%}); {_explain(need, batch_s, step)}"))
-        self._calm = self._calm + 1 if stall < target / 2 else 0
-        if self._calm >= self.policy.patience and workers > self.policy.min:
-            want = workers - 1 if need is None else math.ceil(need * (1 + _DOWN_MARGIN))
-            new = max(self.policy.min, want)
-            self._calm = 0
-            if new >= workers:
-                return None  # calm because it has what it needs
-            return self._decide(now, workers, new, figures, (
-                f"the loop waited for data {stall:.0%} of its time for "
-                f"{self.policy.patience} measurements; {_explain(need, batch_s, step)}"))
-        return None
+        if trial is None or measured.stall <= self.policy.target or workers <= trial[0]:
+            return None
+        before, rate_before = trial
+        rate = measured.rate
+        expected = rate_before * (1 + _GAIN * (workers - before) / before)
+        # the workers the gain is worth: as many as the rate grew (x before)
+        keep = max(before, min(workers, round(before * rate / max(rate_before, 1e-9))))
+        if rate >= expected or keep >= workers:
+            return None
+        self._ceiling = (keep, now + self._backoff * self.policy.interval)
+        self._backoff *= 2
+        return self._decide(now, workers, keep, measured.figures(), (
+            f"{before} -> {workers} workers took the loop from {rate_before:.1f} to "
+            f"only {rate:.1f} batches/s: more workers than {keep} do not help here "
+            f"(they compete for CPUs?); {keep} for now"))
+
+    def _scale_up(self, now: float, workers: int, room: int | None, taken: int,
+                  in_flight: int, measured: _Measurement) -> int | None:
+        """Rules 1 and 4 for a window that stalled over the target: the count to go to
+        (up to ``max``, the room and the ceiling), started as a trial; or None."""
+        stall, need = measured.stall, measured.need
+        self._calm = 0
+        enough = need is not None and need * (1 + _UP_MARGIN) <= workers
+        self._blocked = self._blocked + 1 if enough else 0
+        if enough and self._blocked < self.policy.patience:
+            return None  # enough by their batch times: the wait may be elsewhere (a
+            # slow start, the transfer); if it lasts, one more is tried (a trial)
+        top = self.most if self._ceiling is None else min(self.most, self._ceiling[0])
+        if room is not None:
+            top = min(top, workers + room)
+        if workers >= top:
+            return None
+        want = workers * 2 if need is None else math.ceil(need * (1 + _UP_MARGIN))
+        new = min(top, workers + 1 if enough else max(workers + 1, want))
+        self._blocked = 0
+        self._trial = (workers, measured.rate)
+        self._drain_at = taken + in_flight  # what the old workers hold comes first
+        return self._decide(now, workers, new, measured.figures(), (
+            f"the loop waited for data {stall:.0%} of the last {measured.span:.1f} s "
+            f"(target {self.policy.target:.0%}); {measured.explain()}"))
+
+    def _scale_down(self, now: float, workers: int, measured: _Measurement) -> int | None:
+        """Rule 3 for a window that did not stall over the target: after ``patience``
+        calm windows in a row, the fewer workers that keep up; or None."""
+        self._calm = self._calm + 1 if measured.stall < self.policy.target / 2 else 0
+        if self._calm < self.policy.patience or workers <= self.policy.min:
+            return None
+        need = measured.need
+        want = workers - 1 if need is None else math.ceil(need * (1 + _DOWN_MARGIN))
+        new = max(self.policy.min, want)
+        self._calm = 0
+        if new >= workers:
+            return None  # calm because it has what it needs
+        return self._decide(now, workers, new, measured.figures(), (
+            f"the loop waited for data {measured.stall:.0%} of its time for "
+            f"{self.policy.patience} measurements; {measured.explain()}"))
 
     def _decide(self, now: float, old: int, new: int, figures: dict, reason: str) -> int:
         self._hold = _HOLD_WINDOWS
@@ -170,11 +229,3 @@ class Autoscaler:
                 # (copied at once: stats() may run on another thread than tick())
                 "decisions": [dict(d) for d in self.decisions.copy()],
                 "history": [dict(h) for h in self.history.copy()]}
-
-
-def _explain(need: float | None, batch_s: float | None, step: float | None) -> str:
-    if need is None:
-        return "no batch time measured yet"
-    assert batch_s is not None and step is not None
-    return (f"a batch takes a worker {batch_s * 1e3:.0f} ms and the loop {step * 1e3:.0f} "
-            f"ms: {need:.1f} workers keep up")

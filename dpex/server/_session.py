@@ -116,9 +116,7 @@ class SessionServer:
         with no thread hop per batch.
         """
         loop = asyncio.get_running_loop()
-        # Every message this incarnation sends says which it is (a late one is known).
-        spec = dataclasses.replace(spec, wire=dataclasses.replace(
-            spec.wire, incarnation=spec.incarnation))
+        spec = _with_incarnation(spec)
         _set_thread_niceness(spec.niceness)  # this loop thread, and zmq's I/O thread below
         ctx = zmq.asyncio.Context()
         # A plain socket on the asyncio context (its monitor is an asyncio socket).
@@ -136,58 +134,58 @@ class SessionServer:
         log: ConnectionLog | None = None
         watcher: asyncio.Future | None = None
         try:
-            ctrl.setsockopt(zmq.LINGER, 0)
-            ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation,
-                                                          spec.wire.key))
-            spec.keys.apply(ctrl)
-            connect_promptly(ctrl)
-            hello = {"versions": local_versions(), **self.placement,
-                     "niceness": os.getpriority(os.PRIO_PROCESS, 0), "transport": transport}
-            hello_frames = spec.wire.encode(Kind.HELLO, worker_id=spec.worker_id, payload=hello)
-            log = ConnectionLog(channel, hello_frames)
+            _configure_control(ctrl, spec)
+            hello = self._hello(spec, transport)
+            log = ConnectionLog(channel, hello)
             watcher = asyncio.ensure_future(log.run())
             ctrl.connect(spec.control_address)
             # HELLO as soon as the actor is up: start-up time is placement and process start.
             # Loading the dataset and worker_init_fn count, as in torch, towards the
             # first batch (and torch's ``timeout``).
-            channel.send(hello_frames)
+            channel.send(hello)
             compute.start()
-            reader = asyncio.ensure_future(self.read_control(channel, spec, inbox, session,
-                                                             log))
-            stopper = asyncio.ensure_future(session.stop.wait())
-            beat = asyncio.ensure_future(_send_progress(channel, spec, session, inbox))
-            try:
-                await asyncio.wait({reader, stopper, done, beat},
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if reader.done():
-                    reader.result()  # re-raise what ended the reader
-                if done.done():
-                    done.result()  # re-raise what ended the compute thread
-                if beat.done():
-                    beat.result()
-            finally:
-                reader.cancel()
-                stopper.cancel()
-                beat.cancel()
-                for answer in session.answers:
-                    answer.cancel()
+            await self._until_ended(channel, spec, inbox, session, log, done)
         finally:
             self.sessions.discard(session)
-            halt.set()
-            inbox.put(None)
-            if compute.is_alive():
-                await loop.run_in_executor(None, compute.join, 10.0)
+            await _stop_compute(compute, halt, inbox)
             leave_trainer_state()  # the node's own directory and env again
-            if watcher is not None:
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
-            if log is not None:
-                log.close()
-            channel.stop()
-            ctrl.close(0)
-            ctx.term()
+            await _close_control(ctx, ctrl, channel, log, watcher)
+            # (a compute thread that outlived its wait may still be writing into the ring)
             if ring is not None and not compute.is_alive():
                 ring.close()
+
+    def _hello(self, spec: WorkerSpec, transport: str) -> list:
+        """The HELLO frames: the versions (dpex, protocol, Python), this host's placement,
+        the niceness this thread got, and how batches travel (see :func:`_attach_ring`)."""
+        hello = {"versions": local_versions(), **self.placement,
+                 "niceness": os.getpriority(os.PRIO_PROCESS, 0), "transport": transport}
+        return spec.wire.encode(Kind.HELLO, worker_id=spec.worker_id, payload=hello)
+
+    async def _until_ended(self, channel: ControlChannel, spec: WorkerSpec,
+                           inbox: queue.SimpleQueue, session: Session, log: ConnectionLog,
+                           done: asyncio.Future) -> None:
+        """Serve the control side until the session ends: the trainer sends STOP or falls
+        silent, or the control reader, the compute thread (``done``) or the PROGRESS
+        sender ends; what ended one of those with an error is raised here. The tasks
+        started here (and the RNG_QUERY answers in flight) are cancelled on the way out."""
+        reader = asyncio.ensure_future(self.read_control(channel, spec, inbox, session, log))
+        stopper = asyncio.ensure_future(session.stop.wait())
+        beat = asyncio.ensure_future(_send_progress(channel, spec, session, inbox))
+        try:
+            await asyncio.wait({reader, stopper, done, beat},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if reader.done():
+                reader.result()  # re-raise what ended the reader
+            if done.done():
+                done.result()  # re-raise what ended the compute thread
+            if beat.done():
+                beat.result()
+        finally:
+            reader.cancel()
+            stopper.cancel()
+            beat.cancel()
+            for answer in session.answers:
+                answer.cancel()
 
     def _compute(self, spec: WorkerSpec, shipped: Parcel | bytes, ring: WorkerRing | None,
                  inbox: queue.SimpleQueue, halt: threading.Event,
@@ -348,6 +346,51 @@ async def _send_progress(channel: ControlChannel, spec: WorkerSpec, session: Ses
         await asyncio.sleep(PROGRESS_INTERVAL_S)
         epoch, seq, working = session.progress(time.monotonic(), inbox.qsize())
         channel.send(spec.wire.encode(Kind.PROGRESS, epoch, seq, spec.worker_id, working))
+
+
+def _with_incarnation(spec: WorkerSpec) -> WorkerSpec:
+    """``spec`` with its wire stamped with its incarnation: every message this
+    incarnation sends says which it is (a late one is known)."""
+    return dataclasses.replace(spec, wire=dataclasses.replace(
+        spec.wire, incarnation=spec.incarnation))
+
+
+def _configure_control(ctrl: zmq.Socket, spec: WorkerSpec) -> None:
+    """Set up the control socket before it connects: no linger, the route the trainer
+    knows this incarnation by (:func:`~dpex._protocol.worker_identity`), the iterator's
+    credentials, and a connection attempt that gives up and retries promptly."""
+    ctrl.setsockopt(zmq.LINGER, 0)
+    ctrl.setsockopt(zmq.IDENTITY, worker_identity(spec.worker_id, spec.incarnation,
+                                                  spec.wire.key))
+    spec.keys.apply(ctrl)
+    connect_promptly(ctrl)
+
+
+async def _stop_compute(compute: threading.Thread, halt: threading.Event,
+                        inbox: queue.SimpleQueue) -> None:
+    """Stop the compute thread: ``halt`` (seen between tasks and while a send is retried),
+    ``None`` in its inbox (wakes it from waiting for a task); then wait, off this thread,
+    up to 10 s for the task it may be in the middle of."""
+    halt.set()
+    inbox.put(None)
+    if compute.is_alive():
+        await asyncio.get_running_loop().run_in_executor(None, compute.join, 10.0)
+
+
+async def _close_control(ctx: zmq.asyncio.Context, ctrl: zmq.Socket,
+                         channel: ControlChannel, log: ConnectionLog | None,
+                         watcher: asyncio.Future | None) -> None:
+    """Close the control side, whichever of its parts ``serve`` got to open: the
+    connection log's watcher and monitor, the channel's reading, the socket, the
+    context."""
+    if watcher is not None:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if log is not None:
+        log.close()
+    channel.stop()
+    ctrl.close(0)
+    ctx.term()
 
 
 def _attach_ring(spec: WorkerSpec, node_id: str) -> tuple[WorkerRing | None, str]:
