@@ -1,6 +1,9 @@
-"""What the trainer tells a worker: the loader parts it ships once per iterator and the
-small per-worker spec that travels as a Ray argument. Neutral ground: the trainer
-(``dpex.client``) builds these and the workers (``dpex.server``) read them."""
+"""What the trainer tells a worker: the loader parts it ships at each iterator's start,
+the small per-worker spec that travels as a Ray argument, and a task's sample positions
+(``worker_seeding="per_sample"``). Neutral ground: the trainer (``dpex.client``) builds
+these and the workers (``dpex.server``) read them, but for :class:`Parcel`, which a
+worker makes as Ray unpickles a :class:`PickledLoader`; :func:`stateful_dataset` and
+:func:`own_state` serve both sides."""
 
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ def own_state(obj: Any) -> Any:
 
 class Positioned(NamedTuple):
     """worker_seeding="per_sample": a task's indices with their positions in the epoch
-    (``first``, then every ``stride``) and the epoch they belong to; the worker seeds
+    (``first``, then every ``stride``) and the epoch they belong to (a
+    DistributedSampler's ``set_epoch``, else the loader's epoch count); the worker seeds
     each sample from (``WorkerSpec.sample_seed``, epoch, position)."""
 
     indices: Any
@@ -45,7 +49,10 @@ class Positioned(NamedTuple):
 
 @dataclass(frozen=True)
 class ShippedLoader:
-    """The parts of a DataLoader a worker needs; cloudpickled once per iterator."""
+    """The parts of a DataLoader a worker needs. Cloudpickled at each iterator's start
+    (:func:`dpex.client._shipping.ship_loader`), and again if the object store needs a
+    copy once the trainer's memfd is closed (:class:`dpex._shipfile.Delivery`);
+    unpickled by :mod:`dpex.server._task_runner` or a host's fork base."""
 
     dataset: Any
     dataset_kind: int
@@ -105,7 +112,8 @@ class PickledLoader(bytearray):
     contained in it, and what they name lives exactly as long as the stored copy does
     (while the loader or one of its iterators holds it, or a worker's session is given
     it), then goes, as it does without dpex. The bytes travel out of band (a pickle-5
-    buffer, no copy); a worker gets plain ``bytes``. Built from ``parts`` in one copy.
+    buffer, no copy); a worker gets a :class:`Parcel` of them (:func:`_loader_bytes`).
+    Built from ``parts`` in one copy.
     """
 
     def __init__(self, *parts: Any, refs: Iterable[Any] = ()) -> None:
@@ -121,9 +129,15 @@ class PickledLoader(bytearray):
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Where and who a worker is for one session (small; travels as a Ray argument)."""
+    """Where and who a worker is for one session (small; travels as a Ray argument).
+    Built by the trainer's :class:`~dpex.client._driver.EpochDriver` (a replacement's
+    and an added worker's from the ones before), adjusted by :mod:`dpex.client._workers`
+    as it starts each worker (``pooled``, ``shipment``, ``local``); read by the worker
+    (:mod:`dpex.server`: its actor, its session, its task runner)."""
 
-    wire: Wire  # session id, session key and size limit
+    # Session id, session key and size limit; its ``incarnation`` is left 0 here, and
+    # the worker stamps its own there before it sends (``SessionServer.serve``).
+    wire: Wire
     worker_id: int
     num_workers: int
     base_seed: int
@@ -131,31 +145,44 @@ class WorkerSpec:
     control_address: str
     keys: ClientKeys  # how it connects: the iterator's password, or its CURVE keys
     niceness: int = 0  # the trainer's: workers run at its priority, as torch's do
-    shared_seed: int | None = None  # torch's IterDataPipe seed for the first epoch
-    incarnation: int = 0  # 0 for the first actor of this worker id, +1 per replacement
-    ring: RingRef | None = None  # the trainer's shared-memory ring for this incarnation
-    # Served in a process of its own, forked for this session from the worker's
-    # forkserver: a fleet's sessions, and every session on a warm (reused) worker.
+    # torch's IterDataPipe seed: the first epoch's, or the current epoch's for a
+    # replacement or an added worker
+    shared_seed: int | None = None
+    incarnation: int = 0  # 0 for a worker id's first start, +1 per replacement
+    # The trainer's shared-memory ring for this incarnation (used only on the trainer's
+    # node); None: none offered (shm_ring_bytes=0, or the trainer could not make one).
+    ring: RingRef | None = None
+    # Served in a process of its own (dpex.server._session_process), forked from the
+    # fork base holding its loader, else from the host's forkserver: a fleet's sessions,
+    # and every session on a host (a worker that reserves no resources).
     pooled: bool = False
-    # Resuming (DpexDataLoader.load_state_dict): the RNG states this worker had right
-    # after its last batch that the saved run yielded (set after worker_init_fn).
+    # Resuming (DpexDataLoader.load_state_dict): the states this worker had right after
+    # its last batch that the saved run's loop took (else those it started from): the
+    # RNG states, with a stateful IterableDataset's own (``dataset``, ``dataset_iter``),
+    # restored after worker_init_fn. Kept by a replacement in the resumed epoch only.
     rng_state: Any = None
-    # How many recent batches' RNG states the worker keeps for state_dict() (its share
-    # of the prefetch window, and some); 0 keeps none.
+    # How many recent batches' RNG states the worker keeps for state_dict(): the
+    # iterator's whole credit window at its start (prefetch_factor x its workers) and
+    # dpex.client._launch.RNG_MARGIN more; 0 keeps none (batches or samples seeded by
+    # their number or position, over a map-style dataset).
     rng_keep: int = 0
     # worker_seeding="per_batch": (epochs this base seed served before this iterator's
     # first, batches of that first epoch yielded before it: a resumed epoch's), so that
     # batch ``seq`` of epoch ``e`` is seeded from (base_seed, epochs_before + e,
     # seq + (skip if e == 1 else 0)), what the uninterrupted run seeded it from.
     batch_seeds: tuple[int, int] | None = None
-    # worker_seeding="per_sample": the seed every sample's is made from (tasks come as
+    # worker_seeding="per_sample": the seed every sample's is made from (a
+    # DistributedSampler's ``seed``, else the iterator's base seed; tasks come as
     # Positioned); None: not seeded per sample.
     sample_seed: int | None = None
-    # Which shipped loader this is (its bytes' digest): a host's sessions of the same
-    # one fork from one process that holds it unpickled (dpex.server._fork_base).
+    # Which shipped loader this is (its bytes' digest, else its object ref's id): a
+    # host's sessions of the same one fork from one process that holds it unpickled
+    # (dpex.server._fork_base).
     shipment: str | None = None
-    # The shipment this one replaces (its loader's dataset changed): a host drops it.
+    # The shipment this one replaces (its loader's dataset changed): a host keeps no
+    # fork base of it idle.
     replaces: str | None = None
-    # A host on the trainer's node: the trainer's memfd holding the pickled loader
-    # (then the serve call carries no copy of it; dpex._shipfile).
+    # One of the iterator's first workers on a host on the trainer's node, while the
+    # memfd is open: the trainer's memfd holding the pickled loader (then the serve
+    # call carries no copy of it; dpex._shipfile).
     local: ShipmentRef | None = None
