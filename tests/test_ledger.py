@@ -3,10 +3,11 @@
 import pytest
 
 from dpex.client._ledger import TaskLedger
+from dpex.client._worker_table import WorkerTable
 
 
 def test_outstanding_is_what_was_dispatched_and_not_received_in_seq_order():
-    ledger = TaskLedger(2)
+    ledger = TaskLedger(WorkerTable(2))
     for seq in range(6):
         ledger.dispatch(seq, seq % 2, [seq * 10])
     assert ledger.received(2) and ledger.received(0)
@@ -17,7 +18,7 @@ def test_outstanding_is_what_was_dispatched_and_not_received_in_seq_order():
 
 
 def test_held_counts_until_consumed_and_reset_forgets_the_epoch():
-    ledger = TaskLedger(2)
+    ledger = TaskLedger(WorkerTable(2))
     ledger.dispatch(0, 1, None)
     ledger.dispatch(1, 1, None)
     assert ledger.held(1) == 2
@@ -35,7 +36,7 @@ def test_held_counts_until_consumed_and_reset_forgets_the_epoch():
 
 
 def test_a_reassigned_task_moves_with_its_hold_and_only_its_new_owner_counts():
-    ledger = TaskLedger(3)
+    ledger = TaskLedger(WorkerTable(3))
     ledger.dispatch(0, 1, [0, 1])
     ledger.dispatch(1, 1, [2, 3])
     assert ledger.reassign(1, 2) == [2, 3]
@@ -44,3 +45,14 @@ def test_a_reassigned_task_moves_with_its_hold_and_only_its_new_owner_counts():
     assert ledger.received(1) and ledger.delivered(2) == 1 and ledger.delivered(1) == 0
     with pytest.raises(ValueError, match="not outstanding"):
         ledger.reassign(1, 0)
+
+
+def test_the_counts_live_on_the_worker_records_so_an_added_worker_needs_no_growing():
+    workers = WorkerTable(1)
+    ledger = TaskLedger(workers)
+    added = workers.add()  # (the ledger is not told: it reads and writes the record)
+    ledger.dispatch(0, added.id, [0])
+    assert added.held == added.pending == ledger.held(1) == 1
+    assert ledger.received(0) and (added.pending, added.delivered) == (0, 1)
+    ledger.reset()
+    assert (added.held, added.pending, added.delivered) == (0, 0, 0)

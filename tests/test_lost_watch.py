@@ -4,6 +4,7 @@ start its oldest task, a first batch judged against the startup limit, hangs nam
 import pytest
 
 from dpex.client._lost import LossWatch
+from dpex.client._worker_table import WorkerTable
 
 
 class Clock:
@@ -15,7 +16,7 @@ class Clock:
 
 
 def test_a_result_that_overtakes_an_earlier_task_reports_that_task_lost():
-    watch = LossWatch(2, timeout=None, floor=10.0)
+    watch = LossWatch(WorkerTable(2), timeout=None, floor=10.0)
     for seq in range(3):
         watch.sent(seq)
     assert watch.result(1, 2, [(0, [0]), (1, [1])]) == [(0, [0]), (1, [1])]
@@ -23,23 +24,23 @@ def test_a_result_that_overtakes_an_earlier_task_reports_that_task_lost():
 
 
 def test_silence_counts_only_for_busy_workers_past_their_first_batch_and_a_set_timeout():
-    watch = LossWatch(2, timeout=0.0, floor=10.0, first_limit=1e-9)
+    watch = LossWatch(WorkerTable(2), timeout=0.0, floor=10.0, first_limit=1e-9)
     watch.sent(0)
     assert watch.limit() is None and watch.silent({0: [0]}) == []  # 0: off, first too
-    watch = LossWatch(2, timeout=1e-9, floor=10.0)
+    watch = LossWatch(WorkerTable(2), timeout=1e-9, floor=10.0)
     watch.sent(0)
     assert watch.silent({0: [0]}) == []  # no result yet, no first limit: still loading
     watch.result(0, 0, [])
     watch.sent(1)
     assert watch.silent({0: [1], 1: []}) == [0]
-    assert LossWatch(1, timeout=None, floor=10.0).limit() == 10.0
+    assert LossWatch(WorkerTable(1), timeout=None, floor=10.0).limit() == 10.0
 
 
 def test_idle_time_is_not_batch_time():
     """Issue 25, item 6: a worker idle for 100 s between 1 s batches has a usual time
     per batch of 1 s, so the derived limit is 10 s, not 1,010 s."""
     clock = Clock()
-    watch = LossWatch(1, timeout=None, floor=0.1, clock=clock)
+    watch = LossWatch(WorkerTable(1), timeout=None, floor=0.1, clock=clock)
     for seq in range(21):
         clock.now += 100  # nothing to do (the training loop is slow)
         watch.sent(seq)
@@ -50,7 +51,7 @@ def test_idle_time_is_not_batch_time():
 
 def test_a_task_given_to_a_long_idle_worker_is_not_silent_at_once():
     clock = Clock()
-    watch = LossWatch(2, timeout=5.0, floor=10.0, clock=clock)
+    watch = LossWatch(WorkerTable(2), timeout=5.0, floor=10.0, clock=clock)
     watch.sent(0)
     clock.now += 1
     watch.result(1, 0, [])
@@ -65,7 +66,7 @@ def test_a_task_given_to_a_long_idle_worker_is_not_silent_at_once():
 
 def test_a_first_batch_is_judged_against_the_startup_limit():
     clock = Clock()
-    watch = LossWatch(1, timeout=None, floor=10.0, clock=clock, first_limit=120.0)
+    watch = LossWatch(WorkerTable(1), timeout=None, floor=10.0, clock=clock, first_limit=120.0)
     clock.now += 50  # starting: HELLO comes later
     watch.alive(0)
     watch.sent(0)
@@ -77,7 +78,7 @@ def test_a_first_batch_is_judged_against_the_startup_limit():
 
 def test_a_flagged_worker_silent_for_another_limit_hangs_unless_heard_from():
     clock = Clock()
-    watch = LossWatch(2, timeout=5.0, floor=10.0, clock=clock)
+    watch = LossWatch(WorkerTable(2), timeout=5.0, floor=10.0, clock=clock)
     for w in (0, 1):
         watch.sent(w)
         watch.result(w, w, [])
@@ -91,3 +92,16 @@ def test_a_flagged_worker_silent_for_another_limit_hangs_unless_heard_from():
     clock.now += 3
     assert watch.hung() == [(0, 12.0)]  # (silent since its result at 0)
     assert watch.hung() == []  # named once
+
+
+def test_an_added_worker_is_watched_through_its_record():
+    clock, workers = Clock(), WorkerTable(1)
+    watch = LossWatch(workers, timeout=5.0, floor=10.0, clock=clock)
+    added = workers.add()  # (the watch is not told: it reads and writes the record)
+    watch.alive(added.id)
+    clock.now += 1.0
+    watch.sent(0)
+    clock.now += 6.0
+    assert added.heard_at == 1000.0 and watch.silent({added.id: [0]}) == []  # first batch
+    watch.result(added.id, 0, [])
+    assert added.heard_at == added.last_result_at == 1007.0

@@ -117,44 +117,41 @@ class EpochDriver:
         self._free_resources = free_resources
         self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
         self._wait_from: float | None = None  # when the wait for the next event began
-        self._started: set[int] = set()  # workers that said HELLO
-        try:
-            runtime.open()
-            self.specs = [
-                WorkerSpec(
-                    wire=self.session.wire, worker_id=w,
-                    num_workers=plan.num_workers, base_seed=seeds.base,
-                    data_address=self.session.data_address,
-                    control_address=self.session.control_address,
-                    keys=self.session.keys.client,
-                    niceness=os.getpriority(os.PRIO_PROCESS, 0),
-                    shared_seed=seeds.shared, ring=self.new_ring(w),
-                    pooled=config.worker_pool is not None,
-                    rng_state=plan.rng_state(w), rng_keep=plan.rng_keep,
-                    batch_seeds=plan.batch_seeds, sample_seed=plan.sample_seed,
-                )
-                for w in range(plan.num_workers)
-            ]
-            self.deadlines = Deadlines(
-                time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
-                lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
-            # (kept: replacements load the same object)
-            ref, reused, *keys = ship()
-            if keys:  # (the shipment's digest, and the one it replaces: see ship())
-                self.specs = [dataclasses.replace(s, replaces=keys[0], shipment=keys[1])
-                              for s in self.specs]
-            self.shipped = Shipment(ref, reused, shipped_bytes)
-            runtime.workers.start(self.specs, ref)
-        except BaseException:
-            runtime.close()
-            raise
-        self.shared_seed = seeds.shared  # what a replacement starts with (this epoch's)
+        # (first: each worker's record, made there, holds the spec the driver starts it with)
         self.sched = EpochScheduler(
             plan.num_workers, prefetch_factor, in_order=in_order, iterable=iterable,
             max_restarts=config.max_worker_restarts, lost_timeout=config.lost_batch_timeout,
             lost_floor=_LOST_FLOOR_ITERABLE_S if iterable else _LOST_FLOOR_S,
             first_batch_timeout=config.startup_timeout,  # (its loading counts)
             hung_timeout=config.hung_batch_timeout)
+        try:
+            runtime.open()
+            for rec in self.sched.workers.records:
+                rec.spec = WorkerSpec(
+                    wire=self.session.wire, worker_id=rec.id,
+                    num_workers=plan.num_workers, base_seed=seeds.base,
+                    data_address=self.session.data_address,
+                    control_address=self.session.control_address,
+                    keys=self.session.keys.client,
+                    niceness=os.getpriority(os.PRIO_PROCESS, 0),
+                    shared_seed=seeds.shared, ring=self.new_ring(rec.id),
+                    pooled=config.worker_pool is not None,
+                    rng_state=plan.rng_state(rec.id), rng_keep=plan.rng_keep,
+                    batch_seeds=plan.batch_seeds, sample_seed=plan.sample_seed)
+            self.deadlines = Deadlines(
+                time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
+                lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
+            # (kept: replacements load the same object)
+            ref, reused, *keys = ship()
+            for rec in self.sched.workers.records if keys else ():
+                # (the shipment's digest, and the one it replaces: see ship())
+                rec.spec = dataclasses.replace(rec.spec, replaces=keys[0], shipment=keys[1])
+            self.shipped = Shipment(ref, reused, shipped_bytes)
+            runtime.workers.start(self.specs, ref)
+        except BaseException:
+            runtime.close()
+            raise
+        self.shared_seed = seeds.shared  # what a replacement starts with (this epoch's)
         # The training loop's waits: this epoch's, and over the driver's life (the
         # autoscaler's measure).
         self.wait_s, self.waited_total, self.taken_total = 0.0, 0.0, 0
@@ -171,6 +168,11 @@ class EpochDriver:
     @property
     def loop(self) -> LoopThread:
         return self.runtime.loop
+
+    @property
+    def specs(self) -> list[WorkerSpec]:
+        """Each worker id's spec, its current incarnation's (on its record)."""
+        return [rec.spec for rec in self.sched.workers.records]
 
     # -- epochs and batches ----------------------------------------------------
 
@@ -352,8 +354,8 @@ class EpochDriver:
                 "versions on every node"
             ))
         self.apply(self.sched.ready(hello.worker_id, hello.info))
-        self._started.add(hello.worker_id)
-        if len(self._started) >= self.start_count:  # each read the dataset: let it go
+        started = sum(rec.known is not None for rec in self.sched.workers.records)
+        if started >= self.start_count:  # each read the dataset: let it go
             release = getattr(self.shipped.ref, "release_local", None)
             if release is not None:
                 release()
@@ -389,10 +391,8 @@ class EpochDriver:
             self._fail(WorkerStartupError(
                 f"dpex worker {exit_.worker_id} (node {where}) failed to start: {what}"
             ), exit_.error)
-        rec = self.sched.workers[w]
-        restarts = rec.incarnation - rec.moves - rec.kills
         self._fail(WorkerDiedError(
-            f"{self._worker_named(w)} died after {restarts} "
+            f"{self._worker_named(w)} died after {self.sched.workers[w].restarts} "
             f"restart(s), the most max_worker_restarts={self.sched.max_restarts} allows: "
             + (f"{type(cause).__name__}: {cause}" if exit_.error is not None
                else "its session ended without an error")
@@ -443,35 +443,35 @@ class EpochDriver:
         """Start a replacement with the same worker id (same seed, worker_init_fn run
         again); the scheduler sends it its tasks."""
         self.deadlines.starting(time.monotonic())
-        old = self.specs[w].ring
-        if old is not None:
-            self.session.retire_ring(old.ring_id)
-        record = self.sched.workers[w]
-        if record.added:  # (an added worker's replacement: its own start time)
-            record.started_at = time.monotonic()
-        self.specs[w] = spec = dataclasses.replace(
-            self.specs[w], incarnation=incarnation,
+        rec = self.sched.workers[w]
+        if rec.spec.ring is not None:
+            self.session.retire_ring(rec.spec.ring.ring_id)
+        if rec.added:  # (an added worker's replacement: its own start time)
+            rec.started_at = time.monotonic()
+        rec.spec = dataclasses.replace(
+            rec.spec, incarnation=incarnation,
             shared_seed=self.shared_seed, ring=self.new_ring(w),
             # The saved states belong to the resumed epoch; later a worker starts anew.
-            rng_state=self.specs[w].rng_state if self.sched.epoch == 1 else None)
-        self.session.expect(w, spec.incarnation)
-        self.runtime.workers.restart(spec, self.shipped.ref)
+            rng_state=rec.spec.rng_state if self.sched.epoch == 1 else None)
+        self.session.expect(w, rec.spec.incarnation)
+        self.runtime.workers.restart(rec.spec, self.shipped.ref)
 
     def _start_worker(self, w: int) -> None:
-        """Start an added worker (a new id), seeded as torch seeds worker ``w``."""
-        assert w == len(self.specs), (w, len(self.specs))
-        self.specs.append(dataclasses.replace(
-            self.specs[0], worker_id=w, incarnation=0, ring=self.new_ring(w),
-            shared_seed=self.shared_seed, rng_state=None,
-            num_workers=self.sched.num_workers))
-        self.sched.workers[w].started_at = time.monotonic()
-        self.runtime.workers.add(self.specs[w], self.shipped.ref)
+        """Start an added worker (a new id, its record just made), seeded as torch seeds
+        worker ``w``."""
+        rec = self.sched.workers[w]
+        assert rec.spec is None, w
+        rec.spec = dataclasses.replace(
+            self.sched.workers[0].spec, worker_id=w, incarnation=0, ring=self.new_ring(w),
+            shared_seed=self.shared_seed, rng_state=None, num_workers=self.sched.num_workers)
+        rec.started_at = time.monotonic()
+        self.runtime.workers.add(rec.spec, self.shipped.ref)
 
     def _stop_worker(self, w: int) -> None:
         """A retired worker holds nothing: end its session (its exit is expected)."""
         self.runtime.workers.retire(w)
         self.session.forget(w)
-        ring = self.specs[w].ring
+        ring = self.sched.workers[w].spec.ring
         if ring is not None:
             self.session.retire_ring(ring.ring_id)
 
@@ -506,7 +506,7 @@ class EpochDriver:
             state = self._rng_replies[(w, *asked[w])].state if answered(w) else None
             if isinstance(state, dict) and "error" in state:  # too large to send
                 raise ResumeStateError(f"state_dict(): {state['error']}")
-        started = {w: spec.rng_state for w, spec in enumerate(self.specs)
-                   if spec.rng_state is not None}
+        started = {rec.id: rec.spec.rng_state for rec in self.sched.workers.records
+                   if rec.spec.rng_state is not None}
         return {**started, **{w: self._rng_replies[(w, *asked[w])].state if answered(w) else None
                               for w in asked}}

@@ -27,6 +27,10 @@ the workers' usual time per batch, at least ``floor``; a worker's first batch is
 against ``first_limit`` (the loader's ``startup_timeout``) for silence instead: a
 dataset's unpickling can hold the GIL for long. A worker that sends no PROGRESS (an
 in-memory fake) is judged by its results alone, as before PROGRESS existed.
+
+When each worker was last heard from lives on its record
+(:class:`~dpex.client._worker_table.WorkerRecord`: ``last_result_at``, ``heard_at``),
+which only this watch writes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from dpex.client._worker_table import WorkerTable
 
 __all__ = ["LossWatch"]
 
@@ -47,15 +53,14 @@ IDLE, LOADING = -1, -2  # (as in dpex._protocol: a PROGRESS's seq)
 
 
 class LossWatch:
-    def __init__(self, num_workers: int, timeout: float | None, floor: float,
+    def __init__(self, workers: WorkerTable, timeout: float | None, floor: float,
                  clock: Callable[[], float] = time.monotonic,
                  first_limit: float | None = None, hung_limit: float | None = None) -> None:
         self.timeout, self.floor, self.clock = timeout, floor, clock
         self.first_limit, self.hung_limit = first_limit, hung_limit
+        self._workers = workers
         self._sends = itertools.count()
         self._order: dict[int, tuple[int, float]] = {}  # seq -> (send order, when sent)
-        self._last = [clock()] * num_workers  # its last result or HELLO (batch time)
-        self._heard = [clock()] * num_workers  # any sign of life (also a PROGRESS)
         self._past_first: set[int] = set()  # workers (incarnations) that sent a result
         self._flagged: dict[int, float] = {}  # silent worker -> when judged so
         self._batch_times: collections.deque[float] = collections.deque(maxlen=64)
@@ -66,11 +71,6 @@ class LossWatch:
     def new_epoch(self) -> None:
         self._order.clear()
         self._passed.clear()
-
-    def add_worker(self) -> None:
-        """One more worker id (the next one), silent from now."""
-        self._last.append(self.clock())
-        self._heard.append(self.clock())
 
     def sent(self, seq: int) -> None:
         """``seq`` was sent (again), now."""
@@ -84,7 +84,8 @@ class LossWatch:
 
     def alive(self, worker_id: int) -> None:
         """A (re-)HELLO: the worker's silence counts from now."""
-        self._last[worker_id] = self._heard[worker_id] = self.clock()
+        rec = self._workers[worker_id]
+        rec.last_result_at = rec.heard_at = self.clock()
 
     def replaced(self, worker_id: int) -> None:
         self._past_first.discard(worker_id)
@@ -96,7 +97,8 @@ class LossWatch:
         start it (its previous result or HELLO, or the task's (re)sending if later).
         The one definition: the scheduler reports it too (the autoscaler's input)."""
         sent = self._order.get(seq)
-        return None if sent is None else now - max(self._last[worker_id], sent[1])
+        return None if sent is None else now - max(self._workers[worker_id].last_result_at,
+                                                    sent[1])
 
     def result(self, worker_id: int, seq: int, outstanding: list[tuple[int, Any]],
                now: float | None = None, took: float | None = None) -> list[tuple[int, Any]]:
@@ -110,7 +112,8 @@ class LossWatch:
         if worker_id in self._past_first and took is not None:
             self._batch_times.append(took)
         self._past_first.add(worker_id)
-        self._last[worker_id] = self._heard[worker_id] = now
+        rec = self._workers[worker_id]
+        rec.last_result_at = rec.heard_at = now
         self._flagged.pop(worker_id, None)
         if sent is None:
             return []
@@ -122,7 +125,7 @@ class LossWatch:
         or None: a task of another epoch) for ``working_s``, and holds ``holds``. Its tasks
         it is past are marked (lost once they stay missing for the limit)."""
         now = self.clock() if now is None else now
-        self._heard[worker_id] = now
+        self._workers[worker_id].heard_at = now
         self._flagged.pop(worker_id, None)
         self._working[worker_id] = (seq, working_s, now)
         if seq == IDLE:
@@ -150,7 +153,7 @@ class LossWatch:
             sent = [self._order[s][1] for s in seqs if s in self._order]
             if limit is None or not sent or w in self._flagged:
                 continue
-            if now - max(self._heard[w], min(sent)) > limit:
+            if now - max(self._workers[w].heard_at, min(sent)) > limit:
                 self._flagged[w] = now
                 out.append(w)
         return out
@@ -191,13 +194,13 @@ class LossWatch:
         for w, at in list(self._flagged.items()):
             if limit is not None and now - at > limit:
                 del self._flagged[w]
-                out.append((w, now - self._heard[w]))
+                out.append((w, now - self._workers[w].heard_at))
         return out
 
     def heard(self, worker_id: int) -> None:
         """Any result of the worker's (a late copy of a task handed to another too): it
         is not hung."""
-        self._heard[worker_id] = self.clock()
+        self._workers[worker_id].heard_at = self.clock()
         self._flagged.pop(worker_id, None)
 
     def _limit_for(self, worker_id: int) -> float | None:

@@ -135,10 +135,10 @@ class EpochScheduler:
         self.in_order, self.iterable = in_order, iterable
         self.max_restarts = max_restarts
         self.clock = clock
-        self.workers = WorkerTable(num_workers)
-        self.ledger = TaskLedger(num_workers)
+        self.workers = WorkerTable(num_workers)  # (the ledger and the watch keep counts there)
+        self.ledger = TaskLedger(self.workers)
         self.buffer = OrderingBuffer(in_order)
-        self.losses = LossWatch(num_workers, lost_timeout, lost_floor, clock,
+        self.losses = LossWatch(self.workers, lost_timeout, lost_floor, clock,
                                 first_limit=first_batch_timeout, hung_limit=hung_timeout)
         self.kill_budget = KillBudget()
         self.counters: collections.Counter[str] = collections.Counter()
@@ -234,7 +234,7 @@ class EpochScheduler:
             rec = self.workers[self._turn]
             self._turn = (self._turn + 1) % len(self.workers)
             if rec.active and rec.accepting and (
-                    self.in_order or rec.starting or self.ledger.held(rec.id) < share):
+                    self.in_order or rec.starting or rec.held < share):
                 if not rec.starting or self.iterable or (
                         self.in_order and rec.added and rec.incarnation == 0):
                     return rec.id
@@ -347,7 +347,7 @@ class EpochScheduler:
         if not self.counters["retired"]:
             return
         for rec in self.workers.records:
-            if rec.retiring and not rec.gone and not self.ledger.pending(rec.id):
+            if rec.retiring and not rec.gone and not rec.pending:
                 self._stop(rec.id)
 
     def _result(self, msg: Message) -> None:
@@ -491,14 +491,13 @@ class EpochScheduler:
     # -- an elastic worker set ------------------------------------------------------------
 
     def add_worker(self, draw: Callable[[], Any]) -> list[Any]:
-        """One more worker (a new id): started at once, given tasks once ready; the
-        credit it adds serves the others meanwhile."""
+        """One more worker (a new id): started at once, given tasks once ready. The
+        credit it adds holds its own tasks until then with ``in_order`` (see
+        :meth:`_next_worker`), else serves the others meanwhile."""
         if self.iterable:
             raise ValueError("an IterableDataset's worker count is fixed: each worker "
                              "iterates its own shard")
-        rec = self.workers.add()
-        self.ledger.add_worker()
-        self.losses.add_worker()
+        rec = self.workers.add()  # (its one record: the ledger's and the watch's counts too)
         self.counters["added"] += 1
         self._out.append(StartWorker(rec.id))
         if self.epoch:
@@ -531,7 +530,7 @@ class EpochScheduler:
             # Never sent, or sent to a worker that cannot start it yet: to the others.
             v = self._least_held(exclude=rec.id)
             self._unsent.setdefault(v, []).append((seq, self.ledger.reassign(seq, v)))
-        if not self.ledger.pending(rec.id):
+        if not rec.pending:
             self._stop(rec.id)
         self._flush(only_if_needed=True)
         return self._actions()
@@ -541,7 +540,7 @@ class EpochScheduler:
             r for r in self.workers.live()  # (all suspended: one of them, not none)
             if r.id != exclude and r.active and not r.retiring]
         ready = [r for r in others if r.ready] or others
-        return min(ready, key=lambda r: self.ledger.held(r.id)).id
+        return min(ready, key=lambda r: r.held).id
 
     def _stop(self, w: int) -> None:
         """``w`` (retiring) is gone; whatever it still held goes to the others."""

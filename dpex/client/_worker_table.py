@@ -1,14 +1,21 @@
 """One record per worker id, and what a worker's exit calls for (pure).
 
-The record is the one place a worker's incarnation and readiness live: the
-scheduler filters results by it, the iterator starts replacements from it.
+The record is the one place a worker's state lives, created in one place
+(:class:`WorkerTable`: the iterator's workers, then each one added) and read and
+written by whoever keeps a rule about it: the scheduler (incarnation, readiness,
+retirement; it filters results by the incarnation), the task ledger (its tasks'
+counts), the loss watch (when it was last heard from) and the driver (the spec its
+current incarnation was started with; replacements start from it).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dpex._spec import WorkerSpec
 
 __all__ = ["WorkerRecord", "WorkerTable", "ShardTasks", "Recovery", "recovery"]
 
@@ -16,8 +23,9 @@ __all__ = ["WorkerRecord", "WorkerTable", "ShardTasks", "Recovery", "recovery"]
 class ShardTasks:
     """An IterableDataset worker's tasks this epoch, as much as its replacement needs:
     how many it was given, and those not yet taken by the training loop (at most the
-    window) or taken ahead of one that is not. Each task's entry ends when it is taken,
-    so an endless epoch keeps a bounded record."""
+    window) or taken ahead of one that is not. Each task's entry ends when it is taken
+    (one taken ahead: once every earlier one is), so an endless epoch keeps a bounded
+    record."""
 
     def __init__(self) -> None:
         self.count = 0  # tasks given this epoch
@@ -50,15 +58,17 @@ class ShardTasks:
 
 @dataclass
 class WorkerRecord:
-    """One worker id: the one place its incarnation and readiness live."""
+    """One worker id: the one place its state lives (see the module's docstring)."""
 
     id: int
-    incarnation: int = 0  # 0 for the first actor, +1 per replacement (= its restarts)
-    info: dict | None = None  # the current incarnation's HELLO; None until it is ready
+    # 0 for the first actor, +1 per replacement: deaths (``restarts``), moves and kills
+    incarnation: int = 0
+    info: dict | None = None  # the current incarnation's HELLO; None until ready, and once gone
     known: dict | None = None  # the last HELLO of any incarnation (pid, node)
     active: bool = True  # this epoch: still has data (an IterableDataset's shard)
     shard: ShardTasks = field(default_factory=ShardTasks)  # an IterableDataset's, this epoch
-    ended_seq: int | None = None  # the slot of its END this epoch (IterableDataset)
+    # the slot of its END this epoch (IterableDataset; -1: ended before a resumed epoch)
+    ended_seq: int | None = None
     skipped: int = 0  # a resumed epoch: its batches delivered before the resume
     batches: int = 0  # its results that counted, this iterator
     first_ready_at: float | None = None
@@ -66,15 +76,31 @@ class WorkerRecord:
     started_at: float | None = None  # an added worker: when its current incarnation started
     retiring: bool = False  # takes no new task; stopped once it holds none
     gone: bool = False  # retired (or its start given up): no longer one of the workers
-    moves: int = 0  # replacements after its fleet worker ended the session (not deaths)
+    # replacements after its fleet worker ended the session or its host died (not deaths)
+    moves: int = 0
     suspended: bool = False  # silent past the lost-batch limit: no new task until it
     # is heard from; silent for another limit, it is replaced (it hangs)
     kills: int = 0  # incarnations dpex killed (hung, or a shard's batch lost)
     killed: bool = False  # the current incarnation is being killed by dpex
+    # Its tasks this epoch, as the task ledger counts them (dpex.client._ledger):
+    held: int = 0  # dispatched, not yet consumed (its credits in use)
+    pending: int = 0  # dispatched, no result yet
+    delivered: int = 0  # results that reached the trainer
+    # The loss watch's readings (dpex.client._lost; 0.0: not yet, so a batch's time or
+    # a silence counts from when its task was sent):
+    last_result_at: float = 0.0  # its last result or HELLO (a batch's time counts from it)
+    heard_at: float = 0.0  # any sign of life (a PROGRESS too)
+    spec: WorkerSpec | None = None  # what the driver started its current incarnation with
 
     @property
     def ready(self) -> bool:
         return self.info is not None
+
+    @property
+    def restarts(self) -> int:
+        """Its replacements after deaths of its own: what ``max_worker_restarts``
+        counts (not moves, nor dpex's kills)."""
+        return self.incarnation - self.moves - self.kills
 
     @property
     def starting(self) -> bool:
@@ -90,6 +116,10 @@ class WorkerRecord:
 
 
 class WorkerTable:
+    """Every worker id of one iterator, ``0 .. len - 1``: the iterator's own workers,
+    then one per worker added while it runs (:meth:`add`: the only place a record is
+    made; ids are never reused, a gone worker's record stays)."""
+
     def __init__(self, num_workers: int) -> None:
         self.records = [WorkerRecord(w) for w in range(num_workers)]
 
@@ -118,8 +148,8 @@ class WorkerTable:
             rec.skipped = 0
 
     def all_ready(self) -> bool:
-        """The iterator's own workers are ready (one added while it runs is waited for
-        by nobody: its credit serves the others until it is)."""
+        """The iterator's own workers, those not gone, are ready (one added while it
+        runs is waited for by nobody)."""
         return all(r.info is not None for r in self.records if not (r.gone or r.added))
 
     def ready_infos(self) -> dict[int, dict]:
@@ -152,14 +182,17 @@ class Recovery(enum.Enum):
 
 def recovery(record: WorkerRecord, *, startup_error: bool, unplaced: bool,
              max_restarts: int) -> Recovery:
-    """What a worker's exit calls for. A worker that never said HELLO failed to
-    start (unless Ray could not place it because its node went away: placed again,
-    like a death); one that died is replaced while restarts are left; one that dpex
-    killed (hung) is replaced."""
+    """What a worker's exit calls for. A worker whose start failed (``startup_error``:
+    it raised ``WorkerStartupError``, e.g. it never reached the trainer; or it never
+    said HELLO, unless Ray could not place it because its node went away: placed
+    again, like a death) is fatal; one that died is replaced while restarts are left
+    (:attr:`WorkerRecord.restarts`); one that dpex killed (hung, or its shard lost a
+    batch) is replaced, even before its HELLO."""
     fatal = (record.known is None and not unplaced) or startup_error
     if fatal and not record.killed:
         return Recovery.STARTUP_FAILED
     # dpex's own kills have a budget of their own (the scheduler's), not max_restarts.
-    if record.killed or record.incarnation - record.moves - record.kills < max_restarts:
+    if record.killed or record.restarts < max_restarts:
         return Recovery.RESTART
     return Recovery.DIED
+
