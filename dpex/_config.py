@@ -9,9 +9,17 @@ from typing import Any
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 
-__all__ = ["DpexConfig", "WORKER_SEEDINGS"]
+__all__ = ["DpexConfig", "WORKER_SEEDINGS", "prefetch_window"]
 
 WORKER_SEEDINGS = ("torch", "per_batch", "per_sample")
+
+
+def prefetch_window(prefetch_factor: int, num_workers: int) -> int:
+    """The credit window: how many batches may be asked for and not yet taken by the
+    training loop, ``prefetch_factor`` per worker (torch's rule). The one definition for
+    whatever is sized by it (the scheduler's credits; the RNG states a worker keeps for
+    ``state_dict()``), each caller adding its own margin."""
+    return prefetch_factor * num_workers
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from dpex._config import prefetch_window
 from dpex._protocol import Kind, Message
 from dpex.client._scheduler import (
     EPOCH_END,
@@ -49,6 +50,13 @@ def sends(actions):
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         EpochScheduler(2, 0)
+
+
+def test_the_credit_window_is_the_one_prefetch_window_and_follows_the_workers():
+    s = EpochScheduler(3, 2)
+    assert s.capacity == prefetch_window(2, 3) == 6
+    s.add_worker(draw_from([]))
+    assert s.capacity == prefetch_window(2, 4) and s.ledger.held(3) == s.workers[3].held == 0
 
 
 def test_round_robin_within_the_credit_window_and_tasks_go_out_in_groups():

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpex._autoscale import Autoscale
+from dpex._config import prefetch_window
 from dpex.client._replay import ResumePlan
 
 __all__ = ["LaunchPlan", "plan_launch", "RNG_MARGIN"]
@@ -99,7 +100,7 @@ def plan_launch(*, num_workers: int, scaled_to: int | None, prefetch_factor: int
         num_workers=count, autoscale=policy, first_worker=first_worker, shards=shards,
         epochs_before=epochs_before,
         batch_seeds=(epochs_before, resume.skip if armed else 0) if per_batch else None,
-        rng_keep=prefetch_factor * count + RNG_MARGIN if keep_rng else 0,
+        rng_keep=prefetch_window(prefetch_factor, count) + RNG_MARGIN if keep_rng else 0,
         worker_rng=dict(worker_rng or {}),
         sample_seed=(sampler_seed if sampler_seed is not None else base_seed)
         if per_sample else None)

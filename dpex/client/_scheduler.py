@@ -63,6 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dpex._config import prefetch_window
 from dpex._protocol import Kind, Message
 from dpex.client._kills import MAX_HANGS_PER_BATCH, KillBudget, KillWorker
 from dpex.client._ledger import TaskLedger
@@ -128,9 +129,8 @@ class EpochScheduler:
                  lost_timeout: float | None = None, lost_floor: float = 10.0,
                  first_batch_timeout: float | None = None, hung_timeout: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if prefetch_factor * num_workers < 1:
-            raise ValueError("credit window capacity must be >= 1, got "
-                             f"{prefetch_factor * num_workers}")
+        if (window := prefetch_window(prefetch_factor, num_workers)) < 1:
+            raise ValueError(f"credit window capacity must be >= 1, got {window}")
         self.prefetch_factor = prefetch_factor
         self.in_order, self.iterable = in_order, iterable
         self.max_restarts = max_restarts
@@ -164,8 +164,9 @@ class EpochScheduler:
 
     @property
     def capacity(self) -> int:
-        """The credit window: ``prefetch_factor`` per worker that takes tasks."""
-        return self.prefetch_factor * max(1, self.num_workers)
+        """The credit window: ``prefetch_factor`` per worker that takes tasks (one while
+        none does)."""
+        return prefetch_window(self.prefetch_factor, max(1, self.num_workers))
 
     @property
     def group(self) -> int:
