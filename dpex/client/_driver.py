@@ -12,7 +12,8 @@ and sends the other on the session's sockets itself (one hop, see
 :mod:`~dpex.client._session`).
 The iterator (``_iterator.py``) keeps torch's face: the sampler, the epoch, what it
 yields. Elastic workers (``scale_to``, autoscaling) are composed in
-(:class:`~dpex.client._elastic.Elastic`).
+(:class:`~dpex.client._elastic.Elastic`: it also starts added workers and ends retired
+ones), as is ``state_dict()``'s RNG query (:class:`~dpex.client._rng_query.RngQuery`).
 
 Every method runs on the training thread (the scheduler is that thread's alone),
 except :meth:`Elastic.scale_to` called from another thread, which only leaves a
@@ -35,7 +36,6 @@ import ray
 
 from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
-from dpex._protocol import Kind
 from dpex._shm import RingRef
 from dpex._spec import WorkerSpec
 from dpex._version import local_versions
@@ -50,6 +50,7 @@ from dpex.client._events import (
     WorkerProgress,
 )
 from dpex.client._launch import LaunchPlan
+from dpex.client._rng_query import RngQuery
 from dpex.client._runtime import Runtime, Seeds, Shipment
 from dpex.client._scheduler import (
     Control,
@@ -62,15 +63,13 @@ from dpex.client._scheduler import (
     StopWorker,
 )
 from dpex.client._session import TrainerSession
+from dpex.client._worker_table import exit_error
 from dpex.client._workers import FleetGroup
 from dpex.errors import (
     DpexError,
-    DpexTimeoutError,
     EventLoopError,
     IteratorClosedError,
     PlacementWarning,
-    ResumeStateError,
-    WorkerDiedError,
     WorkerHungError,
     WorkerStartupError,
 )
@@ -86,7 +85,6 @@ _PLACEMENT_GRACE_S = 2.0
 _LOST_FLOOR_S = 10.0
 _LOST_FLOOR_ITERABLE_S = 60.0  # its worker is replaced, not just asked again: be patient
 _LOST_CHECK_S = 1.0  # how often the training thread looks for lost batches while it waits
-_RNG_QUERY_S = 30.0  # how long state_dict() waits for the workers' RNG states
 logger = logging.getLogger("dpex")
 
 
@@ -115,7 +113,7 @@ class EpochDriver:
         self._on_stop = weakref.WeakMethod(on_stop)
         self._ring_bytes, self._node_id = config.shm_ring_bytes, node_id
         self._free_resources = free_resources
-        self._rng_replies: dict[tuple[int, int, int], RngReply] = {}  # (worker, epoch, seq)
+        self.rng_query = RngQuery()  # (state_dict()'s: the replies come through here)
         self._wait_from: float | None = None  # when the wait for the next event began
         # (first: each worker's record, made there, holds the spec the driver starts it with)
         self.sched = EpochScheduler(
@@ -218,14 +216,14 @@ class EpochDriver:
             if isinstance(action, StartReplacement):
                 self._start_replacement(action.worker_id, action.incarnation)
             elif isinstance(action, StartWorker):
-                self._start_worker(action.worker_id)
+                self.elastic.start_worker(action.worker_id)
             elif isinstance(action, StopWorker):
-                self._stop_worker(action.worker_id)
+                self.elastic.stop_worker(action.worker_id)
             elif isinstance(action, KillWorker):
                 self._kill(action)
             elif isinstance(action, Fatal):
-                self._fail(WorkerHungError(self._worker_named(action.worker_id) + " was "
-                                           + action.hung))
+                self._fail(WorkerHungError(self.sched.workers[action.worker_id].describe()
+                                           + " was " + action.hung))
             else:
                 raise AssertionError(f"unknown scheduler action {action!r}")
         if messages:
@@ -289,7 +287,7 @@ class EpochDriver:
             self.apply(self.sched.progress(event.worker_id, event.incarnation, event.epoch,
                                            event.seq, event.working_s, event.queued, event.at))
         elif isinstance(event, RngReply):
-            self._rng_replies[(event.worker_id, event.epoch, event.seq)] = event
+            self.rng_query.reply(event)
         elif isinstance(event, LoopFailure):
             if isinstance(event.error, DpexError):  # one of dpex's own: it says what
                 self._fail(event.error)
@@ -384,28 +382,12 @@ class EpochDriver:
                 self.stop()
                 raise
             return
-        where = self.known.get(w, {}).get("node_ip", "unknown node")
-        if fatal.startup:
-            what = str(cause) if isinstance(cause, WorkerStartupError) else (
-                f"{type(cause).__name__}: {cause}")
-            self._fail(WorkerStartupError(
-                f"dpex worker {exit_.worker_id} (node {where}) failed to start: {what}"
-            ), exit_.error)
-        self._fail(WorkerDiedError(
-            f"{self._worker_named(w)} died after {self.sched.workers[w].restarts} "
-            f"restart(s), the most max_worker_restarts={self.sched.max_restarts} allows: "
-            + (f"{type(cause).__name__}: {cause}" if exit_.error is not None
-               else "its session ended without an error")
-        ), exit_.error)
-
-    def _worker_named(self, w: int) -> str:
-        known = self.known.get(w, {})
-        pid = known.get("session_pid", known.get("pid", "?"))
-        return f"dpex worker {w} (pid {pid}, node {known.get('node_ip', 'unknown node')})"
+        self._fail(exit_error(self.sched.workers[w], startup=fatal.startup, cause=cause,
+                              max_restarts=self.sched.max_restarts), exit_.error)
 
     def _kill(self, kill: KillWorker) -> None:
         """Kill a worker dpex presumes broken (it is replaced), and say so."""
-        logger.warning("%s: %s; it is replaced", self._worker_named(kill.worker_id),
+        logger.warning("%s: %s; it is replaced", self.sched.workers[kill.worker_id].describe(),
                        kill.reason())
         self.runtime.workers.kill(kill.worker_id)
 
@@ -456,57 +438,10 @@ class EpochDriver:
         self.session.expect(w, rec.spec.incarnation)
         self.runtime.workers.restart(rec.spec, self.shipped.ref)
 
-    def _start_worker(self, w: int) -> None:
-        """Start an added worker (a new id, its record just made), seeded as torch seeds
-        worker ``w``."""
-        rec = self.sched.workers[w]
-        assert rec.spec is None, w
-        rec.spec = dataclasses.replace(
-            self.sched.workers[0].spec, worker_id=w, incarnation=0, ring=self.new_ring(w),
-            shared_seed=self.shared_seed, rng_state=None, num_workers=self.sched.num_workers)
-        rec.started_at = time.monotonic()
-        self.runtime.workers.add(rec.spec, self.shipped.ref)
-
-    def _stop_worker(self, w: int) -> None:
-        """A retired worker holds nothing: end its session (its exit is expected)."""
-        self.runtime.workers.retire(w)
-        self.session.forget(w)
-        ring = self.sched.workers[w].spec.ring
-        if ring is not None:
-            self.session.retire_ring(ring.ring_id)
-
     # -- state_dict() --------------------------------------------------------------
 
     def worker_rng_states(self, asked: dict[int, tuple[int, int]], limit: float | None = None
                           ) -> dict[int, dict | None] | None:
-        """Each worker's RNG states right after the batch ``asked`` names (for
-        ``state_dict()``). A worker not asked (none of its batches was taken) has the
-        states it started with: those it was resumed with, or its seeded ones (left
-        out: a resumed worker gets them anyway). None for a worker that no longer has
-        them (it died, or was replaced: its replacement starts from its seed)."""
-        if self.runtime.closed:
-            return None  # its workers are gone: nobody to ask
-        self._rng_replies = {}
-        incarnations = {w: self.sched.workers[w].incarnation for w in asked}
-        for w, (epoch, seq) in asked.items():
-            self.session.send(w, Kind.RNG_QUERY, epoch, seq)
-
-        def answered(w: int) -> bool:
-            return (w, *asked[w]) in self._rng_replies
-
-        limit = _RNG_QUERY_S if limit is None else limit
-        deadline = time.monotonic() + limit
-        while waiting := [w for w in asked if not answered(w)
-                          and self.sched.workers[w].incarnation == incarnations[w]]:
-            if time.monotonic() > deadline:
-                raise DpexTimeoutError(f"state_dict(): workers {waiting} did not report their "
-                                       f"RNG states within {limit:g} s")
-            self.receive_one(until=deadline)
-        for w in asked:
-            state = self._rng_replies[(w, *asked[w])].state if answered(w) else None
-            if isinstance(state, dict) and "error" in state:  # too large to send
-                raise ResumeStateError(f"state_dict(): {state['error']}")
-        started = {rec.id: rec.spec.rng_state for rec in self.sched.workers.records
-                   if rec.spec.rng_state is not None}
-        return {**started, **{w: self._rng_replies[(w, *asked[w])].state if answered(w) else None
-                              for w in asked}}
+        """Each worker's RNG states right after the batch ``asked`` names, for
+        ``state_dict()`` (see :meth:`RngQuery.ask`)."""
+        return self.rng_query.ask(self, asked, limit)

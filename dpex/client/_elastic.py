@@ -4,13 +4,16 @@ autoscaler's loop (``num_workers=dpex.Autoscale(...)``), composed into its
 
 The rules live in pure objects (:class:`~dpex.client._scheduler.EpochScheduler`'s
 ``add_worker``/``retire_worker``, :class:`~dpex.client._autoscaler.Autoscaler`);
-this asks them and has the driver carry out their actions (starting a worker, ending
-a retired one's session). It reads the driver's scheduler, runtime and cumulative
-wait and take counts, and calls its ``apply``.
+this asks them and has the driver carry out their actions, of which the driver hands
+back here the two only an elastic set has (``StartWorker``: starting an added worker,
+``StopWorker``: ending a retired one's session). It reads the driver's scheduler,
+runtime, session, shipment and cumulative wait and take counts, and calls its
+``apply``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -133,6 +136,29 @@ class Elastic:
                 logger.warning("dpex: added worker %s did not start within %g s; given up",
                                rec.id, d.startup_timeout)
                 d.apply(d.sched.retire_worker(rec.id))
+
+    # -- the actions only an elastic worker set has (the driver's apply() hands them here)
+
+    def start_worker(self, w: int) -> None:
+        """Start an added worker (a new id, its record just made), seeded as torch seeds
+        worker ``w``."""
+        d = self._driver
+        rec = d.sched.workers[w]
+        assert rec.spec is None, w
+        rec.spec = dataclasses.replace(
+            d.sched.workers[0].spec, worker_id=w, incarnation=0, ring=d.new_ring(w),
+            shared_seed=d.shared_seed, rng_state=None, num_workers=d.sched.num_workers)
+        rec.started_at = time.monotonic()
+        d.runtime.workers.add(rec.spec, d.shipped.ref)
+
+    def stop_worker(self, w: int) -> None:
+        """A retired worker holds nothing: end its session (its exit is expected)."""
+        d = self._driver
+        d.runtime.workers.retire(w)
+        d.session.forget(w)
+        ring = d.sched.workers[w].spec.ring
+        if ring is not None:
+            d.session.retire_ring(ring.ring_id)
 
     def _room(self) -> int | None:
         """How many more workers the cluster can place now (None: they reserve nothing,

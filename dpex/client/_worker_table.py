@@ -1,4 +1,4 @@
-"""One record per worker id, and what a worker's exit calls for (pure).
+"""One record per worker id, and what a worker's exit calls for and says (pure).
 
 The record is the one place a worker's state lives, created in one place
 (:class:`WorkerTable`: the iterator's workers, then each one added) and read and
@@ -14,10 +14,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dpex.errors import DpexError, WorkerDiedError, WorkerStartupError
+
 if TYPE_CHECKING:
     from dpex._spec import WorkerSpec
 
-__all__ = ["WorkerRecord", "WorkerTable", "ShardTasks", "Recovery", "recovery"]
+__all__ = ["WorkerRecord", "WorkerTable", "ShardTasks", "Recovery", "recovery", "exit_error"]
 
 
 class ShardTasks:
@@ -101,6 +103,12 @@ class WorkerRecord:
         """Its replacements after deaths of its own: what ``max_worker_restarts``
         counts (not moves, nor dpex's kills)."""
         return self.incarnation - self.moves - self.kills
+
+    def describe(self) -> str:
+        """How errors and warnings name it: ``dpex worker 3 (pid 123, node 10.0.0.1)``."""
+        known = self.known or {}
+        pid = known.get("session_pid", known.get("pid", "?"))
+        return f"dpex worker {self.id} (pid {pid}, node {known.get('node_ip', 'unknown node')})"
 
     @property
     def starting(self) -> bool:
@@ -196,3 +204,20 @@ def recovery(record: WorkerRecord, *, startup_error: bool, unplaced: bool,
         return Recovery.RESTART
     return Recovery.DIED
 
+
+def exit_error(record: WorkerRecord, *, startup: bool, cause: BaseException | None,
+               max_restarts: int) -> DpexError:
+    """What a fatal exit (see :func:`recovery`) raises: ``WorkerStartupError`` for a
+    worker that failed to start (``startup``), else ``WorkerDiedError``; ``cause``: its
+    error (None: its session ended without one)."""
+    if startup:
+        where = (record.known or {}).get("node_ip", "unknown node")
+        what = str(cause) if isinstance(cause, WorkerStartupError) else (
+            f"{type(cause).__name__}: {cause}")
+        return WorkerStartupError(f"dpex worker {record.id} (node {where}) failed to start: "
+                                  f"{what}")
+    return WorkerDiedError(
+        f"{record.describe()} died after {record.restarts} restart(s), the most "
+        f"max_worker_restarts={max_restarts} allows: "
+        + (f"{type(cause).__name__}: {cause}" if cause is not None
+           else "its session ended without an error"))
