@@ -6,7 +6,6 @@ import dataclasses
 import inspect
 import logging
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -15,18 +14,23 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from dpex import _process_state  # noqa: F401  (its fallback: the env at dpex import)
-from dpex._config import DpexConfig
+from dpex._config import DpexConfig, prefetch_window
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 from dpex._stats import LoaderStats
-from dpex.client._replay import IndexView, ResumePlan
-from dpex.client._resume import (
-    Position,
+from dpex.client.resume import (
+    IndexView,
+    IteratorSlot,
+    LoaderView,
+    ResumePlan,
+    Saving,
     capture,
     in_trainer,
     mid_epoch_state,
     plan_from,
+    position_of,
     replaying,
+    starting,
 )
 from dpex.errors import DpexDroppedWarning
 
@@ -47,6 +51,44 @@ _LIGHTNING_KWARGS = "__pl_saved_kwargs"
 # there (with its check and doc) and a parameter of the same name and default below;
 # tests/test_layout.py checks the two agree.
 _DPEX_ARGUMENTS = tuple(f.name for f in dataclasses.fields(DpexConfig))
+# torch's keyword arguments after ``dataset``, passed on by name.
+_TORCH_ARGUMENTS = ("batch_size", "shuffle", "sampler", "batch_sampler", "num_workers",
+                    "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
+                    "multiprocessing_context", "generator", "prefetch_factor",
+                    "persistent_workers", "pin_memory_device")
+
+
+def _checked_config(arguments: dict[str, Any]) -> DpexConfig:
+    """dpex's settings from the constructor's arguments, checked with torch's."""
+    if isinstance(arguments["batch_size"], bool):
+        raise TypeError(
+            f"batch_size={arguments['batch_size']!r}: DpexDataLoader takes torch's arguments "
+            "in torch's order; pass distribute_mode=... and head_address=... by keyword")
+    config = DpexConfig(**{name: arguments[name] for name in _DPEX_ARGUMENTS})
+    distributed = config.distribute_mode and arguments["num_workers"] > 0
+    if config.worker_seeding != "torch" and not distributed:
+        raise ValueError(
+            f"worker_seeding={config.worker_seeding!r} seeds dpex's workers "
+            "(distribute_mode=True, num_workers > 0); torch's own loader seeds each "
+            "worker once: leave worker_seeding='torch' for it")
+    if config.worker_seeding == "per_sample" and isinstance(
+            arguments["dataset"], torch.utils.data.IterableDataset):
+        raise ValueError(
+            "worker_seeding='per_sample' seeds each sample from its position in the "
+            "epoch, which a map-style dataset's sampler gives; an IterableDataset has "
+            "none: use 'per_batch' or 'torch' for it")
+    return config
+
+
+def _torch_arguments(arguments: dict[str, Any], distributed: bool) -> dict[str, Any]:
+    """The keyword arguments for torch's ``DataLoader.__init__``."""
+    torch_kwargs = {name: arguments[name] for name in _TORCH_ARGUMENTS}
+    if _TORCH_HAS_IN_ORDER:
+        torch_kwargs["in_order"] = arguments["in_order"]
+    elif not arguments["in_order"] and not distributed:
+        raise TypeError(f"in_order=False needs torch >= 2.6 (this is {torch.__version__}) "
+                        "unless distribute_mode=True")
+    return torch_kwargs
 
 
 class DpexDataLoader(DataLoader[T_co]):
@@ -117,47 +159,17 @@ class DpexDataLoader(DataLoader[T_co]):
         worker_seeding: str = "torch",
         encryption: bool | None = None,
     ) -> None:
-        if isinstance(batch_size, bool):
-            raise TypeError(
-                f"batch_size={batch_size!r}: DpexDataLoader takes torch's arguments in torch's "
-                "order; pass distribute_mode=... and head_address=... by keyword"
-            )
         arguments = locals()
-        config = DpexConfig(**{name: arguments[name] for name in _DPEX_ARGUMENTS})
-        if config.worker_seeding != "torch" and not (distribute_mode and num_workers > 0):
-            raise ValueError(
-                f"worker_seeding={config.worker_seeding!r} seeds dpex's workers "
-                "(distribute_mode=True, num_workers > 0); torch's own loader seeds each "
-                "worker once: leave worker_seeding='torch' for it")
-        if config.worker_seeding == "per_sample" and isinstance(
-                dataset, torch.utils.data.IterableDataset):
-            raise ValueError(
-                "worker_seeding='per_sample' seeds each sample from its position in the "
-                "epoch, which a map-style dataset's sampler gives; an IterableDataset has "
-                "none: use 'per_batch' or 'torch' for it")
+        config = _checked_config(arguments)
         # Public attributes named like the parameters: frameworks (Lightning) rebuild the
         # loader from them, so they must exist under exactly these names.
         for name in _DPEX_ARGUMENTS:
             setattr(self, name, getattr(config, name))
         self._reset_runtime_state()
         recorded_before = _LIGHTNING_RECORD in self.__dict__
-        torch_kwargs: dict[str, Any] = {
-            "batch_size": batch_size, "shuffle": shuffle, "sampler": sampler,
-            "batch_sampler": batch_sampler, "num_workers": num_workers,
-            "collate_fn": collate_fn, "pin_memory": pin_memory, "drop_last": drop_last,
-            "timeout": timeout, "worker_init_fn": worker_init_fn,
-            "multiprocessing_context": multiprocessing_context, "generator": generator,
-            "prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers,
-            "pin_memory_device": pin_memory_device,
-        }
-        if _TORCH_HAS_IN_ORDER:
-            torch_kwargs["in_order"] = in_order
-        elif not in_order and not (distribute_mode and num_workers > 0):
-            raise TypeError(f"in_order=False needs torch >= 2.6 (this is {torch.__version__}) "
-                            "unless distribute_mode=True")
         # By keyword: a framework that records this call (Lightning, when DpexDataLoader was
         # imported after it began recording) must see names, not positions.
-        super().__init__(dataset, **torch_kwargs)
+        super().__init__(dataset, **_torch_arguments(arguments, distribute_mode and num_workers > 0))
         if not _TORCH_HAS_IN_ORDER:
             self.in_order = in_order
         if not recorded_before:
@@ -188,18 +200,12 @@ class DpexDataLoader(DataLoader[T_co]):
 
     def _reset_runtime_state(self) -> None:
         """What belongs to this process's live iterators, never to the configuration."""
-        self._live_iterators: weakref.WeakSet = weakref.WeakSet()
-        self._latest: weakref.ref | None = None  # the newest distributed iterator
+        self._slot = IteratorSlot()  # the current iterator (see dpex/client/resume/_slot.py)
         self._final_stats: dict = {}  # what the newest one to shut down reported last
         # (digest, object ref) of the last shipped dataset: an iterator whose pickled
         # dataset, collate_fn and worker_init_fn are the same bytes reuses the object
         # the workers' nodes already hold instead of putting (and moving) it again.
         self._shipped: tuple[bytes, Any] | None = None
-        self._current: weakref.ref | None = None  # the newest iterator, either mode
-        # num_workers=0: the newest iterator, held (it holds no process; torchdata's
-        # loader holds it too), so that state_dict() after a `break` says where it stood.
-        self._in_trainer: _BaseDataLoaderIter | None = None
-        self._kept_state: dict | None = None  # where it stood if it ended mid-epoch
         # What load_state_dict() loaded and no iterator has taken yet (travels with the
         # configuration: a spawned rank resumes from it).
         self.__dict__.setdefault("_resume_plan", None)
@@ -208,8 +214,7 @@ class DpexDataLoader(DataLoader[T_co]):
         """The configuration only (for ``mp.spawn``, Lightning's ``ddp_spawn``): live
         iterators, their workers and counters stay with the process that made them."""
         state = dict(self.__dict__)
-        for name in ("_iterator", "_live_iterators", "_latest", "_final_stats", "_shipped",
-                     "_current", "_in_trainer", "_kept_state"):
+        for name in ("_iterator", "_slot", "_final_stats", "_shipped"):
             state.pop(name, None)
         return state
 
@@ -313,49 +318,60 @@ class DpexDataLoader(DataLoader[T_co]):
     @property
     def _index_sampler(self) -> Any:
         """torch's index sampler (batch sampler, or sampler), seen through dpex's
-        :class:`~dpex.client._replay.IndexView`: the same indices, with each epoch's
+        :class:`~dpex.client.resume.IndexView`: the same indices, with each epoch's
         position kept for ``state_dict()``."""
         # A stateful sampler's states are kept for the batches drawn and not yet yielded:
         # dpex's iterator says which it yielded (its window follows scale_workers() and
         # the autoscaler); torch's iterators draw at most their fixed window ahead.
-        keep = None if self._distributed else (self.prefetch_factor or 0) * self.num_workers + 4
-        return IndexView(self._torch_index_sampler, self.__dict__.get("_resume_plan"), keep)
+        keep = None if self._distributed else prefetch_window(self.prefetch_factor or 0,
+                                                               self.num_workers) + 4
+        return IndexView(self._torch_index_sampler, self._resume_plan, keep)
 
     @property
     def _torch_index_sampler(self) -> Any:
         return super()._index_sampler
 
+    def _resume_view(self) -> LoaderView:
+        """What saving and loading a state read of this loader."""
+        iterable = isinstance(self.dataset, torch.utils.data.IterableDataset)  # (torch's kind)
+        length = None
+        if not iterable:  # (an IterableDataset's length is a hint, and asking for it
+            try:          # would make torch warn when the epoch runs longer)
+                length = len(self)
+            except TypeError:
+                pass
+        return LoaderView(
+            index_sampler=self._torch_index_sampler, sampler=self.sampler,
+            batch_sampler=self.batch_sampler, generator=self.generator,
+            dataset=self.dataset, iterable=iterable, num_workers=self.num_workers,
+            distributed=self._distributed,
+            persistent=bool(self.persistent_workers) and self.num_workers > 0,
+            in_order=bool(getattr(self, "in_order", True)), batch_size=self.batch_size,
+            drop_last=bool(self.drop_last), length=length)
+
+    def _set_generator(self, generator: torch.Generator | None) -> None:
+        self.__dict__["generator"] = generator  # (DataLoader refuses setting it later)
+
     def _get_iterator(self) -> _BaseDataLoaderIter:
-        plan: ResumePlan | None = self.__dict__.get("_resume_plan")
-        current = self._current() if self._current is not None else None
-        drawing = getattr(current, "_sampler_iter", None)
-        if plan is None and getattr(drawing, "plan", None) is not None:
-            # The newest iterator never drew (its first next() was refused): this one
+        plan: ResumePlan | None = self._resume_plan
+        if plan is None:
+            # The current iterator never drew (its first next() was refused): this one
             # resumes in its place.
-            plan = self._resume_plan = drawing.plan
-        if plan is not None and plan.global_rng is not None:
-            # A state taken between epochs, when the next epoch draws its order or base
-            # seed from torch's global RNG: that RNG as the saved run had it then.
-            torch.set_rng_state(plan.global_rng)
-        generator = self.generator
-        iterator_rng = (plan.iterator_rng if plan is not None and plan.iterator_rng is not None
-                        else generator.get_state() if generator is not None
-                        else torch.get_rng_state())
-        with replaying(self, plan):  # (if this fails, the plan stays for the next try)
-            iterator = self._make_iterator()
+            plan = self._resume_plan = self._slot.unstarted_plan()
+        iterator_rng = starting(plan, self.generator)
+        with replaying(self._resume_view(), plan, self._set_generator):
+            iterator = self._make_iterator()  # (if this fails, the plan stays for the next try)
         self._resume_plan = None  # the new iterator's epoch holds it until it draws
         if plan is not None:
             plan.global_rng = None  # set once: made, the iterator holds the plan from here
-        self._kept_state = None  # a position kept from an earlier iterator is past now
-        iterator._dpex_iterator_rng = iterator_rng  # its base seed was drawn from this
-        self._current = weakref.ref(iterator)
-        self._in_trainer = iterator if self.num_workers == 0 else None
+        self._slot.hold(iterator, iterator_rng, strong=self.num_workers == 0,
+                        owned=self._distributed)
         return iterator
 
     def _make_iterator(self) -> _BaseDataLoaderIter:
         if not self._distributed:
             if self.num_workers == 0:
-                return in_trainer(self, self.__dict__.get("_resume_plan"),
+                return in_trainer(self._resume_view(), self._resume_plan,
                                   super()._get_iterator)
             return super()._get_iterator()
         from dpex.client._iterator import RayDataLoaderIter
@@ -364,37 +380,35 @@ class DpexDataLoader(DataLoader[T_co]):
         # Built from the attributes, which a framework may have set since __init__.
         iterator = RayDataLoaderIter(self, self.dpex_config, DpexWorker)
         self.check_worker_number_rationality()  # as torch does here; Ray is connected now
-        self._live_iterators.add(iterator)
-        self._latest = weakref.ref(iterator)
         return iterator
 
     def state_dict(self) -> dict:
-        """Where this loader stands, as plain data (``torch.save`` it; ``torch.load`` with
-        ``weights_only=True`` reads it back): the batches of the current epoch already
-        yielded and the generator states its order and seeds come from. Taken without
-        stopping the workers; batches prefetched but not yet yielded are not in it (a
-        resumed loader computes them again). Lightning and Accelerate checkpoints pick
-        it up. See docs/RESUME.md."""
+        """Where this loader stands, as plain data (``json.dumps`` and ``torch.save`` take
+        it; ``torch.load`` with ``weights_only=True`` reads it back): the batches of the
+        current epoch already yielded and the generator states its order and seeds come
+        from. Taken without stopping the workers; batches prefetched but not yet yielded
+        are not in it (a resumed loader computes them again). Lightning and Accelerate
+        checkpoints pick it up. See docs/RESUME.md."""
         return self._resume_position().state()
 
-    def _resume_position(self) -> Position:
+    def _resume_position(self) -> Saving:
         """Where this loader stands, cheaply: ``.state()`` is ``state_dict()`` (asking
         the workers for their RNG states only then)."""
-        iterator = self._iterator if self._iterator is not None else (
-            self._current() if self._current is not None else None)
-        kept = self.__dict__.get("_kept_state")
-        if iterator is None and kept is not None:
-            return Position(dict(kept))  # its iterator ended mid-epoch (see _keep_position)
-        return capture(self, iterator, self.__dict__.get("_resume_plan"))
+        position = self._slot.position()
+        if position is None and self._slot.kept is not None:
+            return Saving(self._slot.kept)  # its iterator ended mid-epoch (_keep_position)
+        return capture(self._resume_view(), position, self._resume_plan)
 
     def _keep_position(self, iterator: Any, ask_workers: bool, limit: float | None = None
                        ) -> None:
-        """Keep where ``iterator`` stood if it ends in the middle of an epoch (closed,
-        or dropped: a loop left with ``break``), for a ``state_dict()`` taken after it
-        (see :func:`~dpex.client._resume.mid_epoch_state`)."""
-        state = mid_epoch_state(self, iterator, ask_workers, limit)
-        if state is not None:
-            self._kept_state = state
+        """Keep where ``iterator`` stood if it is the current one and ends in the middle
+        of an epoch (closed, or dropped: a loop left with ``break``), for a
+        ``state_dict()`` taken after it (see :func:`~dpex.client.resume.mid_epoch_state`)."""
+        if not self._slot.is_current(iterator):
+            return  # an older one, or the one running when a state was loaded
+        position = position_of(iterator, self._slot.iterator_rng)
+        self._slot.keep(iterator, mid_epoch_state(self._resume_view(), position, ask_workers,
+                                                  limit))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume where ``state_dict()`` was taken: the next ``iter(loader)`` yields the
@@ -405,11 +419,10 @@ class DpexDataLoader(DataLoader[T_co]):
         generator, worker count of an IterableDataset) or dpex version, naming what
         differs, and :class:`~dpex.UnsupportedError` for one this loader cannot
         resume. A dataset's own ``state_dict()`` is loaded in torchdata's order."""
-        plan = plan_from(self, state_dict)
-        self._kept_state = None
+        plan = plan_from(self._resume_view(), state_dict)
         # An iterator still alive stands elsewhere: state_dict() now describes what was
         # loaded, until the next iterator moves.
-        self._current, self._in_trainer = None, None
+        self._slot.empty()
         persistent = self._iterator
         if persistent is not None:  # its workers hold another position: a fresh iterator
             self._iterator = None
@@ -425,7 +438,7 @@ class DpexDataLoader(DataLoader[T_co]):
         if not self._distributed:
             raise ValueError("scale_workers() changes dpex's workers (distribute_mode=True, "
                              "num_workers > 0); torch's own loader has a fixed count")
-        iterator = self._latest() if self._latest is not None else None
+        iterator = self._slot.current
         if iterator is not None and not iterator.closed:
             iterator.scale_to(n)
         elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -440,21 +453,21 @@ class DpexDataLoader(DataLoader[T_co]):
         (``dpex.stats_prometheus(loader)`` gives them in Prometheus' format). A
         finished iterator that was already collected reports what it counted when it
         shut down."""
-        iterator = self._latest() if self._latest is not None else None
+        iterator = self._slot.current if self._distributed else None
         return iterator.stats() if iterator is not None else dict(self._final_stats)
 
     def close(self) -> None:
         """Stop every worker, socket and thread this loader started (idempotent). A
         ``state_dict()`` after it still says where the newest iterator stood."""
-        current = self._current() if self._current is not None else None
-        if current in self._live_iterators and not current.closed:
+        current = self._slot.current
+        if current in self._slot.owned() and not current.closed:
             try:
                 self._keep_position(current, ask_workers=True)
             except Exception:  # (in_order=False, say): close all the same
                 logger.info("dpex: close() keeps no position", exc_info=True)
-        for iterator in list(self._live_iterators):
+        for iterator in self._slot.owned():
             iterator._shutdown_workers()
-        self._live_iterators.clear()
+        self._slot.closed_all()
         self._iterator = None
 
     def __enter__(self) -> DpexDataLoader[T_co]:

@@ -7,7 +7,7 @@ import torch
 
 import dpex
 from dpex.client._launch import RNG_MARGIN, plan_launch
-from dpex.client._replay import ResumePlan
+from dpex.client.resume import ResumePlan
 
 RNG = torch.zeros(1)
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from dpex.client._reshard import Layout, epoch_order
+from dpex.client.resume._reshard import Layout, epoch_order
 
 
 def torch_rank_batches(n, ranks, rank, batch_size, shuffle=True, seed=7, epoch=2,
@@ -189,7 +189,7 @@ def global_stream_of(per_rank):
 def test_another_number_of_ranks_without_a_distributed_sampler_is_refused_by_name(
         monkeypatch):
     from dpex import DpexDataLoader
-    from dpex.client import _resume
+    from dpex.client.resume import _load
     from dpex.errors import UnsupportedError
 
     loader = DpexDataLoader(range(N), batch_size=2, shuffle=True, distribute_mode=True)
@@ -197,7 +197,7 @@ def test_another_number_of_ranks_without_a_distributed_sampler_is_refused_by_nam
     next(it)
     state = loader.state_dict()
     assert state["world_size"] == 1
-    monkeypatch.setattr(_resume, "_world_size", lambda: 3)
+    monkeypatch.setattr(_load, "ranks", lambda: (3, 0))  # (world size, rank)
     fresh = DpexDataLoader(range(N), batch_size=2, shuffle=True, distribute_mode=True)
     with pytest.raises(UnsupportedError, match=r"job of 1 ranks, and this job has 3.*"
                        r"RandomSampler.*DistributedSampler"):

@@ -6,6 +6,7 @@ import io
 
 import dsets
 import pytest
+import resumable
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
 
@@ -223,7 +224,7 @@ def test_a_mid_epoch_iterable_state_resumes_only_where_its_position_means_someth
 
 def test_another_ranks_state_keeps_the_order_but_not_its_workers_rng_states():
     # (Lightning under DDP saves rank 0's loader state and every rank loads it.)
-    from dpex.client._resume import plan_from
+    from dpex.client.resume import plan_from
 
     make = CONFIGS["shuffle+generator"]
     loader = make(DpexDataLoader)
@@ -231,8 +232,8 @@ def test_another_ranks_state_keeps_the_order_but_not_its_workers_rng_states():
     next(it)
     state = {**loader.state_dict(), "worker_rng": {0: {"torch": torch.get_rng_state()}},
              "worker_rng_num_workers": 0}
-    assert plan_from(make(DpexDataLoader), state).worker_rng == state["worker_rng"]
-    other = plan_from(make(DpexDataLoader), {**state, "rank": 1})
+    assert plan_from(make(DpexDataLoader)._resume_view(), state).worker_rng == state["worker_rng"]
+    other = plan_from(make(DpexDataLoader)._resume_view(), {**state, "rank": 1})
     assert other.worker_rng is None and other.skip == 1
 
 
@@ -240,7 +241,7 @@ def test_a_drawings_sampler_states_go_as_their_batches_are_yielded():
     """dpex's iterator keeps a stateful sampler's state for every batch drawn and not yet
     yielded, however wide its window grew (keep=None); torch's iterators, whose window
     is fixed, keep the newest ``keep``."""
-    from dpex.client._replay import IndexView
+    from dpex.client.resume import IndexView
 
     wide = iter(IndexView(StatefulShuffle(N, 7), None, keep=None))
     for _ in range(30):
@@ -254,3 +255,31 @@ def test_a_drawings_sampler_states_go_as_their_batches_are_yielded():
     for _ in range(30):
         next(narrow)
     assert narrow.sampler_state_at(25) is None and narrow.sampler_state_at(26) is not None
+
+
+@pytest.mark.parametrize("cls", ["torchdata", DpexDataLoader])
+def test_a_state_after_iter_before_the_first_next_resumes_the_whole_epoch(cls):
+    """num_workers=0, shuffle=True, no generator: the epoch's order is drawn from torch's
+    global RNG at the first next(), and the dataset keeps that RNG as its own state
+    (torchdata's DummyMapDataset does). A state taken between iter() and that next()
+    resumes to the batches the uninterrupted run gave, as torchdata's
+    StatefulDataLoader does: the dataset's state goes back before that draw, not after."""
+    epochs = 2  # dpex: the resumed epoch and the next one
+    if cls == "torchdata":
+        cls = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+        epochs = 1  # (its next epoch draws from the global RNG of the resumed job)
+
+    def new():
+        return cls(resumable.MapGlobalRng(), batch_size=2, shuffle=True)
+
+    torch.manual_seed(5)
+    want = [b.tolist() for _ in range(epochs) for b in new()]
+    torch.manual_seed(5)
+    loader = new()
+    it = iter(loader)
+    state = round_trip(loader.state_dict())
+    del it
+    torch.manual_seed(5)  # the resumed job seeds as the first one did
+    resumed = new()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for _ in range(epochs) for b in resumed] == want

@@ -9,6 +9,7 @@ same loader class. Both loaders' outcomes are checked: exact everywhere but the 
 listed below, which must still fail (docs/RESUME.md's table says the same).
 """
 
+import gc
 import io
 import re
 
@@ -253,3 +254,27 @@ def test_an_autoscaled_loaders_state_is_plain_data():
                             num_workers=Autoscale(1, 3))
     state = round_trip(loader.state_dict())  # weights_only=True refused an Autoscale
     assert state["num_workers"] == 1 and type(state["num_workers"]) is int
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_with_four_workers_a_state_right_after_load_state_dict_is_the_loaded_one(
+        ray_session, persistent):
+    """torchdata's contract (StatefulDataLoader.load_state_dict drops its iterator, and
+    state_dict() then describes what was loaded) with an iterator already running: 4
+    workers, whose iterator, persistent or not, stands elsewhere when the state is loaded."""
+    loader = make(DpexDataLoader, "map-shuffled-generator", 4, persistent)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    saved = round_trip(loader.state_dict())
+    for _ in range(3):
+        next(it)  # the running iterator moves on
+    loader.load_state_dict(saved)
+    assert_same(saved, round_trip(loader.state_dict()), "state")
+    del it  # the running iterator, dropped mid-epoch, must not take the loaded state's place
+    gc.collect()
+    assert_same(saved, round_trip(loader.state_dict()), "state")
+    assert saved["yielded"] == 3
+    rest = list(loader)  # the next iterator moves from the loaded position
+    assert len(rest) == 7
+    loader.close()

@@ -60,7 +60,7 @@ def test_lightning_resumes_a_ddp_run_on_fewer_devices_with_the_same_global_strea
     loader state), resumed on 1: the rest of the epoch is every sample the 2 ranks had
     not taken, in their global order, each with the augmentation its position gives."""
     pytest.importorskip("pytorch_lightning")
-    from dpex.client._reshard import epoch_order
+    from dpex.client.resume._reshard import epoch_order
     from dpex.server._rng import sample_seed, seed_sample
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}

@@ -2,6 +2,7 @@
 uninterrupted batches, worker seeds and worker RNG draws included."""
 
 import io
+import json
 import os
 import signal
 import time
@@ -46,9 +47,10 @@ def dpex_probe(num_workers, persistent):
     return probe_loader(DpexDataLoader, num_workers, persistent, distribute_mode=True)
 
 
-def interrupted(make, epochs, cut_epoch, cut, make_resumed=None):
-    """``epochs`` epochs; in ``cut_epoch`` stop after ``cut`` batches, save, close, and
-    go on with a new loader (``make_resumed``, else ``make``) that loads the state."""
+def interrupted(make, epochs, cut_epoch, cut, make_resumed=None, trip=round_trip):
+    """``epochs`` epochs; in ``cut_epoch`` stop after ``cut`` batches, save (through
+    ``trip``), close, and go on with a new loader (``make_resumed``, else ``make``) that
+    loads the state."""
     loader, out, timings = make(), [], {}
     for e in range(epochs):
         if e != cut_epoch:
@@ -57,7 +59,7 @@ def interrupted(make, epochs, cut_epoch, cut, make_resumed=None):
         it = iter(loader)
         part = [next(it) for _ in range(cut)]
         t0 = time.monotonic()
-        state = round_trip(loader.state_dict())
+        state = trip(loader.state_dict())
         timings["state_dict_s"] = time.monotonic() - t0
         del it
         loader.close()
@@ -80,6 +82,22 @@ def test_a_resumed_run_is_torchs_uninterrupted_run_rng_draws_included(persistent
     want = [list(ref) for _ in range(3)]
     got, _ = interrupted(lambda: dpex_probe(2, persistent), 3, cut_epoch, cut)
     assert_same(want, got, "epochs")
+
+
+@pytest.mark.parametrize("dataset", ["map", "iterable"])
+def test_a_mid_epoch_state_through_json_resumes_exactly_rng_draws_included(dataset):
+    """torchdata's TestJsonSerDe, with workers: ``json.dumps`` the state mid-epoch and
+    resume from ``json.loads`` of it (worker ids come back as strings)."""
+    if dataset == "map":
+        ref, make = probe_loader(dsets.torch_loader, 2, False), lambda: dpex_probe(2, False)
+    else:
+        ref = shards_loader(dsets.torch_loader, dsets.PositionedShards(), False)
+
+        def make():
+            return shards_loader(DpexDataLoader, dsets.PositionedShards(), False,
+                                 distribute_mode=True)
+    got, _ = interrupted(make, 1, 0, 3, trip=lambda state: json.loads(json.dumps(state)))
+    assert_same([list(ref)], got, "epochs")
 
 
 def test_a_state_between_epochs_of_persistent_workers_keeps_their_rng_going():

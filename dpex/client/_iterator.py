@@ -31,13 +31,13 @@ from dpex._stats import Latencies, LoaderStats
 from dpex.client._driver import EpochDriver, Seeds
 from dpex.client._events import Handoff
 from dpex.client._launch import plan_launch
-from dpex.client._replay import Drawing, distributed_seed
 from dpex.client._report import iterator_stats
 from dpex.client._runtime import Runtime, ship
 from dpex.client._scheduler import EPOCH_END
 from dpex.client._shipping import ship_loader
 from dpex.client._taken import TakenRecord
 from dpex.client._workers import WorkerProcess
+from dpex.client.resume import Drawing, IteratorPosition, distributed_seed
 from dpex.errors import IteratorClosedError
 
 __all__ = ["RayDataLoaderIter"]
@@ -236,9 +236,17 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         return self._taken.shard_positions(
             self._driver.sched.ledger.worker_of(self._driver.sched.buffer.next_seq))
 
-    @property
-    def epoch_ended(self) -> bool:
-        return self._epoch_end is not None
+    def position(self, iterator_rng: Any) -> IteratorPosition:
+        """Where this iterator stands, for ``state_dict()`` (``iterator_rng``: the RNG
+        state the loader drew its base seed from)."""
+        drawing = self._sampler_iter
+        ended = self._epoch_end is not None
+        if not isinstance(drawing, Drawing):
+            return IteratorPosition(None, self._num_yielded, ended, iterator_rng)
+        yielded = self._num_yielded + drawing.skipped
+        ended = ended or (drawing.exhausted and yielded >= drawing.position)
+        return IteratorPosition(drawing, yielded, ended, iterator_rng,
+                                epochs_served=self.epochs_served, workers=self)
 
     def worker_rng_states(self, asked: dict[int, tuple[int, int]], limit: float | None = None
                           ) -> dict[int, dict | None] | None:

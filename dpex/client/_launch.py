@@ -15,7 +15,7 @@ from typing import Any
 
 from dpex._autoscale import Autoscale
 from dpex._config import prefetch_window
-from dpex.client._replay import ResumePlan
+from dpex.client.resume import ResumePlan
 
 __all__ = ["LaunchPlan", "plan_launch", "RNG_MARGIN"]
 

@@ -8,23 +8,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
 from dpex._spec import own_state
+from dpex.client.resume._position import fetcher_of
+from dpex.client.resume._view import LoaderView
 
 __all__ = ["in_trainer", "trainer_states"]
 
 logger = logging.getLogger("dpex")
-_ITERABLE = torch.utils.data.dataloader._DatasetKind.Iterable
 
 
-def trainer_states(loader: Any, fetcher: Any, mid_epoch: bool) -> dict:
+def trainer_states(view: LoaderView, fetcher: Any, mid_epoch: bool) -> dict:
     """num_workers=0: the dataset's own state (map-style datasets too: one that keeps
     its RNG there, say) and, in the middle of an IterableDataset's epoch, its
     iterator's. A dataset that is its own iterator has only the iterator's, which
     means nothing once its epoch ended (torchdata's rules)."""
-    dataset = loader.dataset
-    if loader._dataset_kind != _ITERABLE:
+    dataset = view.dataset
+    if not view.iterable:
         return {"dataset": own_state(dataset)}
     dataset_iter = getattr(fetcher, "dataset_iter", None)
     if dataset_iter is None:  # never iterated: the dataset is as it was made
@@ -61,23 +60,26 @@ def _noting_the_end(fetcher: Any) -> Any:
     return noting_the_end
 
 
-def in_trainer(loader: Any, plan: Any, make: Any) -> Any:
+def in_trainer(view: LoaderView, plan: Any, make: Any) -> Any:
     """num_workers=0: make torch's single-process iterator with ``make()`` where the
     plan says the saved run stood, in torchdata's order: the dataset's own state is
     loaded, then ``iter()``, then its iterator's own state; an IterableDataset with no
     state of its own passes over the batches already yielded (fetched again and
     dropped: it cannot skip them otherwise). ``plan``: a ``_replay.ResumePlan`` or None."""
-    iterable = loader._dataset_kind == _ITERABLE
-    if plan is not None and plan.dataset_state is not None and (iterable or not plan.armed):
-        loader.dataset.load_state_dict(plan.dataset_state)
+    if plan is not None and plan.dataset_state is not None and (
+            view.iterable or not plan.armed):
+        view.dataset.load_state_dict(plan.dataset_state)
     iterator = make()
-    fetcher = iterator._dataset_fetcher
-    if not iterable:
+    fetcher = fetcher_of(iterator)
+    if not view.iterable:
         if plan is not None and plan.armed and plan.dataset_state is not None:
-            # In the middle of an epoch: loaded after the epoch's first draw (its
-            # replay), right before the first fetch, where the saved run's dataset
-            # stood when it saved it (a dataset that keeps torch's RNG in its state).
-            fetcher.fetch = _loading_first(fetcher, loader.dataset, plan.dataset_state)
+            if plan.drawn:
+                # In the middle of an epoch: loaded after the epoch's first draw (its
+                # replay), right before the first fetch, where the saved run's dataset
+                # stood when it saved it (a dataset that keeps torch's RNG in its state).
+                fetcher.fetch = _loading_first(fetcher, view.dataset, plan.dataset_state)
+            else:  # saved before the epoch's first draw: that draw is still to come
+                view.dataset.load_state_dict(plan.dataset_state)
         return iterator
     fetcher.fetch = _noting_the_end(fetcher)
     if plan is None or not plan.armed:
@@ -85,14 +87,18 @@ def in_trainer(loader: Any, plan: Any, make: Any) -> Any:
     if plan.dataset_iter_state is not None:
         fetcher.dataset_iter.load_state_dict(plan.dataset_iter_state)
     elif plan.dataset_state is None and plan.skip:
-        indices = iter(loader._torch_index_sampler)
-        logger.info("dpex: the IterableDataset keeps no state of its own: passing over the "
-                    "%d batches already yielded", plan.skip)
-        for _ in range(plan.skip):
-            try:
-                fetcher.fetch(next(indices))
-            except StopIteration:
-                break
+        _pass_over(view, fetcher, plan.skip)
     if (plan.iterable or {}).get("trainer", {}).get("ended"):
         fetcher.ended = True
     return iterator
+
+
+def _pass_over(view: LoaderView, fetcher: Any, skip: int) -> None:
+    indices = iter(view.index_sampler)
+    logger.info("dpex: the IterableDataset keeps no state of its own: passing over the "
+                "%d batches already yielded", skip)
+    for _ in range(skip):
+        try:
+            fetcher.fetch(next(indices))
+        except StopIteration:
+            break

@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
+from dpex.client.resume._view import LoaderView
 from dpex.errors import ResumeStateError
 
 __all__ = ["check_epoch", "check_identity", "identity", "sampler_epoch"]
-
-_ITERABLE = torch.utils.data.dataloader._DatasetKind.Iterable
 
 # What a position depends on, besides the batches per epoch: the sampler's kind and
 # settings, the batching, the dataset's length. (Not the rank: a framework under DDP
@@ -21,22 +20,22 @@ _SAMPLER_SETTINGS = ("num_replicas", "shuffle", "seed", "drop_last", "replacemen
                      "num_samples")
 
 
-def identity(loader: Any) -> dict:
-    """What ``loader``'s positions depend on, as plain data (compared by
-    :func:`plan_from`; a mismatch is refused by name)."""
-    sampler = loader.sampler
-    if loader.batch_sampler is not None and not isinstance(
-            loader.batch_sampler, torch.utils.data.BatchSampler):
-        sampler = loader.batch_sampler  # the user's own batch sampler
+def identity(view: LoaderView) -> dict:
+    """What a loader's positions depend on, as plain data (compared by
+    :func:`check_identity`; a mismatch is refused by name)."""
+    sampler = view.sampler
+    if view.batch_sampler is not None and not isinstance(
+            view.batch_sampler, torch.utils.data.BatchSampler):
+        sampler = view.batch_sampler  # the user's own batch sampler
     settings = {name: getattr(sampler, name) for name in _SAMPLER_SETTINGS
                 if isinstance(getattr(sampler, name, None), (bool, int))}
     try:
-        length = len(loader.dataset) if loader._dataset_kind != _ITERABLE else None
+        length = None if view.iterable else len(view.dataset)
     except TypeError:
         length = None
     return {"sampler": f"{type(sampler).__module__}.{type(sampler).__qualname__}",
-            "sampler_settings": settings, "batch_size": loader.batch_size,
-            "drop_last": bool(loader.drop_last), "dataset_length": length}
+            "sampler_settings": settings, "batch_size": view.batch_size,
+            "drop_last": bool(view.drop_last), "dataset_length": length}
 
 
 def check_identity(saved: dict | None, ours: dict, reshard: bool = False) -> None:

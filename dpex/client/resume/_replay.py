@@ -4,7 +4,7 @@ The loader sees its index sampler through :class:`IndexView`; each epoch's
 iteration of it is a :class:`Drawing`, which remembers the state of the generator
 the sampler draws from when the epoch began (the loader's ``generator``, else
 torch's global one) and counts its draws. A :class:`ResumePlan` (made by
-``_resume.plan_from``) sets that generator back and draws the batches already
+``_load.plan_from``) sets that generator back and draws the batches already
 yielded again, without fetching any data, or loads a stateful sampler's own
 ``state_dict``.
 """
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from dpex._spec import Positioned
-from dpex.client._reshard import Layout, epoch_order
-from dpex.client._resume_identity import check_epoch
+from dpex.client.resume._identity import check_epoch
+from dpex.client.resume._reshard import Layout, epoch_order
 from dpex.errors import ResumeStateError
 
 __all__ = ["ResumePlan", "IndexView", "Drawing", "stateful", "sampler_generator", "rng_state",
@@ -94,6 +94,7 @@ class ResumePlan:
     iterator_rng: torch.Tensor | None  # the base seed's generator when the iterator was made
     sampler_state: Any = None  # a stateful sampler's own state at ``skip``
     armed: bool = True  # until the epoch's first draw
+    drawn: bool = True  # the saved epoch had drawn its first batch (else: iter(), no next())
     # dpex's workers: each one's RNG states after its last batch the saved run took,
     # by worker id (None: not known), and how many workers the saved run had.
     worker_rng: dict[int, Any] | None = None

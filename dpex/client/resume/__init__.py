@@ -1,0 +1,35 @@
+"""Exact mid-epoch resume: ``DpexDataLoader.state_dict()`` and ``load_state_dict()``, for
+torch's loader and dpex's alike (docs/RESUME.md).
+
+The sampler runs in the trainer, so the position in an epoch is the number of index
+batches already yielded, and the rest of the epoch is what the sampler draws after
+them: index batches are exactly an uninterrupted run's whatever ``num_workers`` is.
+The iterator's base seed (its workers' seeds) is drawn again from the state it was
+drawn from. The pieces:
+
+- ``_state``: :class:`ResumeState`, the typed state, and its plain (JSON) form.
+- ``_view``: :class:`LoaderView`, what resuming reads of a loader.
+- ``_position``: :class:`IteratorPosition`, what every iterator reports of where it
+  stands, and the adapter that reads it off torch's iterators.
+- ``_slot``: :class:`IteratorSlot`, the loader's one slot for its current iterator.
+- ``_save``: :func:`capture`, the state of a position (pure).
+- ``_load``: :func:`plan_from`, a state checked and turned into a :class:`ResumePlan`.
+- ``_replay``: each epoch's draws (:class:`Drawing`) and how a plan replays them.
+- ``_reshard``: an epoch of torch's DistributedSampler on another number of ranks.
+- ``_identity``: what a position depends on, compared on loading.
+- ``_trainer``: ``num_workers=0``, where the dataset runs in the trainer.
+"""
+
+from dpex.client.resume._load import plan_from, replaying, starting
+from dpex.client.resume._position import IteratorPosition, position_of
+from dpex.client.resume._replay import Drawing, IndexView, ResumePlan, distributed_seed
+from dpex.client.resume._save import Saving, capture, mid_epoch_state
+from dpex.client.resume._slot import IteratorSlot
+from dpex.client.resume._state import STATE_VERSION, ResumeState
+from dpex.client.resume._trainer import in_trainer
+from dpex.client.resume._view import LoaderView
+
+__all__ = ["STATE_VERSION", "Drawing", "IndexView", "IteratorPosition", "IteratorSlot",
+           "LoaderView", "ResumePlan", "ResumeState", "Saving", "capture",
+           "distributed_seed", "in_trainer", "mid_epoch_state", "plan_from", "position_of",
+           "replaying", "starting"]

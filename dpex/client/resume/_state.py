@@ -1,0 +1,180 @@
+"""The saved state, typed: :class:`ResumeState` and its plain form.
+
+``state_dict()`` returns :meth:`ResumeState.to_dict`: ints, strings, bools, lists and
+dicts only, so ``json.dumps`` takes it and ``torch.load(weights_only=True)`` reads it
+back (a dataset's or sampler's own state is kept as it gave it). RNG states travel as
+base64 strings of their bytes, Python's ``random`` state as lists. ``load_state_dict()``
+reads it back through :meth:`ResumeState.from_dict`, the one place a state is checked:
+its format, its version (this dpex also reads version 1, whose RNG states were
+tensors) and each key's type. The keys are described in docs/RESUME.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from typing import Any
+
+import torch
+
+from dpex.errors import ResumeStateError
+
+__all__ = ["FORMAT", "STATE_VERSION", "ResumeState", "rng_from_plain", "rng_to_plain"]
+
+FORMAT = "dpex.DpexDataLoader"
+STATE_VERSION = 2
+_READS = (1, 2)  # version 1: RNG states as tensors, no "drawn" (its epochs had drawn)
+_RNG_FIELDS = ("sampler_rng", "base_rng", "sampler_draw_rng", "iterator_rng", "global_rng")
+
+
+def rng_to_plain(state: torch.Tensor | None) -> str | None:
+    """A generator's state (a byte tensor) as a base64 string."""
+    if state is None:
+        return None
+    return base64.b64encode(state.contiguous().numpy().tobytes()).decode("ascii")
+
+
+def rng_from_plain(plain: Any, dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
+    """The tensor :func:`rng_to_plain` encoded (a version-1 state's tensor as it is)."""
+    if plain is None or isinstance(plain, torch.Tensor):
+        return plain
+    if isinstance(plain, list):  # (a list of the bytes is read as well)
+        return torch.tensor(plain, dtype=dtype)
+    return torch.frombuffer(bytearray(base64.b64decode(plain)), dtype=dtype).clone()
+
+
+def _worker_rng_to_plain(rng: dict | None) -> dict | None:
+    """A worker's RNG states (``server._rng.RngRecorder.capture``, with its dataset's own
+    states) as plain data: torch's as base64, ``random``'s and NumPy's as lists."""
+    if rng is None:
+        return None
+    plain = dict(rng)
+    if "torch" in plain:
+        plain["torch"] = rng_to_plain(plain["torch"])
+    if "random" in plain:
+        version, words, gauss = plain["random"]
+        plain["random"] = [version, list(words), gauss]
+    if "numpy" in plain:
+        kind, keys, pos, has_gauss, cached = plain["numpy"]
+        plain["numpy"] = [kind, rng_to_plain(keys), pos, has_gauss, cached]
+    return plain
+
+
+def _worker_rng_from_plain(plain: dict | None) -> dict | None:
+    if plain is None:
+        return None
+    rng = dict(plain)
+    if "torch" in rng:
+        rng["torch"] = rng_from_plain(rng["torch"])
+    if "random" in rng:
+        version, words, gauss = rng["random"]
+        rng["random"] = (version, tuple(words), gauss)
+    if "numpy" in rng:
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        rng["numpy"] = (kind, rng_from_plain(keys, torch.int32), pos, has_gauss, cached)
+    return rng
+
+
+def _int_keys(mapping: dict | None) -> dict | None:
+    """JSON gives a dict's int keys back as strings: worker ids are ints again."""
+    return None if mapping is None else {int(k): v for k, v in mapping.items()}
+
+
+_OPTIONAL_INT = (int, type(None))
+_TYPES: dict[str, tuple[type, ...]] = {  # what from_dict accepts for each key
+    "rng_source": (str,), "base_rng_source": (str,), "num_workers": (int,),
+    "rank": (int,), "world_size": (int,), "identity": (dict, type(None)),
+    "length": _OPTIONAL_INT, "sampler_epoch": _OPTIONAL_INT, "mid_epoch": (bool,),
+    "yielded": (int,), "drawn": (bool,), "layout": (dict, type(None)),
+    "worker_rng": (dict, type(None)), "worker_rng_num_workers": (int,),
+    "iterable": (dict, type(None)), "epochs_before": (int,),
+    **{name: (str, list, torch.Tensor, type(None)) for name in _RNG_FIELDS},
+}
+
+
+@dataclasses.dataclass
+class ResumeState:
+    """Where a loader stood, and what that position depends on (docs/RESUME.md).
+
+    In memory RNG states are tensors and a worker's are as its recorder took them;
+    :meth:`to_dict` makes the plain form, :meth:`from_dict` reads it (and checks it).
+    """
+
+    # What the position belongs to: checked against the loader that loads it.
+    rng_source: str  # what the sampler draws from: "generator" or "global"
+    base_rng_source: str  # what the base seed is drawn from: the same two
+    num_workers: int
+    rank: int
+    world_size: int
+    identity: dict | None  # the sampler, batching and dataset length (_identity.py)
+    length: int | None  # batches per epoch of a map-style loader
+    sampler_epoch: int | None  # a DistributedSampler's epoch (set_epoch)
+    # Where in the epoch.
+    mid_epoch: bool = False
+    yielded: int = 0  # batches of this epoch yielded
+    drawn: bool = True  # the epoch's first index batch was drawn (else: iter(), no next())
+    layout: dict | None = None  # how torch's DistributedSampler dealt the epoch (_reshard)
+    # The generators: the sampler's when the epoch began and at its first draw, the
+    # loader's (base seeds) and torch's global one, between epochs where they are drawn from.
+    sampler_rng: torch.Tensor | None = None
+    base_rng: torch.Tensor | None = None
+    sampler_draw_rng: torch.Tensor | None = None
+    iterator_rng: torch.Tensor | None = None  # the running iterator's base seed's source
+    global_rng: torch.Tensor | None = None
+    sampler_state: Any = None  # a stateful sampler's own state_dict()
+    # dpex's workers: each one's RNG (and dataset) states after its last batch taken.
+    worker_rng: dict[int, dict | None] | None = None
+    worker_rng_num_workers: int = 0
+    iterable: dict | None = None  # an IterableDataset's position in each worker's shard
+    epochs_before: int = 0  # epochs a persistent iterator's base seed served before
+    # num_workers=0: the dataset's own state and its iterator's.
+    dataset: Any = None
+    dataset_iter: Any = None
+
+    def to_dict(self) -> dict:
+        """The plain form ``state_dict()`` returns."""
+        plain: dict[str, Any] = {"format": FORMAT, "version": STATE_VERSION}
+        for field in dataclasses.fields(self):
+            plain[field.name] = getattr(self, field.name)
+        for name in _RNG_FIELDS:
+            plain[name] = rng_to_plain(plain[name])
+        if self.worker_rng is not None:
+            plain["worker_rng"] = {w: _worker_rng_to_plain(rng)
+                                   for w, rng in self.worker_rng.items()}
+        return plain
+
+    @classmethod
+    def from_dict(cls, plain: Any) -> ResumeState:
+        """Check ``plain`` (what ``state_dict()`` returned, maybe through JSON or
+        ``torch.load``) and read it; a :class:`~dpex.ResumeStateError` names what is wrong."""
+        if not isinstance(plain, dict) or plain.get("format") != FORMAT:
+            raise ResumeStateError(
+                "load_state_dict() takes what DpexDataLoader.state_dict() returned; got "
+                f"{type(plain).__name__}" + (f" with keys {sorted(plain)[:8]}"
+                                             if isinstance(plain, dict) else ""))
+        if plain.get("version") not in _READS:
+            raise ResumeStateError(
+                f"this loader state has version {plain.get('version')!r}; this dpex reads "
+                f"versions {', '.join(map(str, _READS))}: resume with the dpex version that "
+                "saved it")
+        values = {f.name: plain[f.name] for f in dataclasses.fields(cls) if f.name in plain}
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in plain
+                   and f.default is dataclasses.MISSING]
+        if missing:
+            raise ResumeStateError(f"this loader state lacks {missing}: it is incomplete")
+        for name, value in values.items():
+            types = _TYPES.get(name)
+            if types is not None and not isinstance(value, types) or (
+                    types == (int,) and isinstance(value, bool)):
+                raise ResumeStateError(
+                    f"this loader state's {name!r} is {type(value).__name__} {value!r:.60}; "
+                    f"expected {' or '.join(t.__name__ for t in types)}")
+        state = cls(**values)
+        for name in _RNG_FIELDS:
+            setattr(state, name, rng_from_plain(getattr(state, name)))
+        if state.worker_rng is not None:
+            state.worker_rng = {w: _worker_rng_from_plain(rng)
+                                for w, rng in _int_keys(state.worker_rng).items()}
+        if state.iterable is not None and "workers" in state.iterable:
+            state.iterable = {**state.iterable, "workers": _int_keys(state.iterable["workers"])}
+        return state

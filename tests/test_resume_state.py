@@ -1,0 +1,273 @@
+"""The saved state as a type (ResumeState), its plain JSON form, and saving as a pure
+function of a loader's view and an iterator's position: no Ray, no process. dpex's
+workers are stood in for by what they answer (tests/test_resume_ray.py runs them)."""
+
+import io
+import json
+import random
+import weakref
+
+import pytest
+import resumable
+import torch
+from torch.utils.data import DataLoader
+
+from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
+from dpex.client.resume import (
+    IteratorPosition,
+    IteratorSlot,
+    ResumeState,
+    capture,
+    plan_from,
+    position_of,
+)
+from dpex.server._rng import RngRecorder
+
+
+def json_trip(state):
+    return json.loads(json.dumps(state))
+
+
+def weights_only_trip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def leaves(value):
+    """Every leaf of a plain state."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from leaves(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from leaves(v)
+    else:
+        yield value
+
+
+class Workers:
+    """What dpex's workers answer to state_dict(), without them (WorkerStates)."""
+
+    def __init__(self, count=2, iterable=False):
+        torch.manual_seed(1)
+        random.seed(2)
+        self.rng = {w: RngRecorder().capture() for w in range(count)}
+        self.rng_worker_count, self.iterable, self.asked = count, iterable, []
+
+    def resume_points(self, mid_epoch):
+        return {w: (0, w) for w in self.rng}
+
+    def shard_positions(self):
+        return {"workers": {w: {"taken": 3, "ended": False} for w in self.rng},
+                "next_worker": 1, "stateful": False}
+
+    def worker_rng_states(self, asked, limit=None):
+        self.asked.append(asked)
+        return {w: {**rng, "dataset": {"pos": w}} for w, rng in self.rng.items()}
+
+
+def drawn(loader, k):
+    """A Drawing of ``loader``'s epoch with ``k`` index batches drawn."""
+    drawing = iter(loader._index_sampler)
+    for _ in range(k):
+        next(drawing)
+    return drawing
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_mid_epoch_state_with_dpex_workers_is_json_and_resumes_from_the_json_copy(shuffle):
+    generator = torch.Generator().manual_seed(3) if shuffle else None
+    loader = DataLoaderLike(shuffle=shuffle, generator=generator)
+    workers = Workers()
+    position = IteratorPosition(drawn(loader, 5), 3, False, torch.get_rng_state(),
+                                workers=workers)
+    saving = capture(loader._resume_view(), position, None)
+    assert workers.asked == []  # cheap until the full state is wanted
+    plain = saving.state()
+    assert workers.asked == [{0: (0, 0), 1: (0, 1)}]
+    assert not any(isinstance(leaf, torch.Tensor) for leaf in leaves(plain))
+    copy = json_trip(plain)
+    assert weights_only_trip(plain) == plain
+    assert copy == plain | {"worker_rng": {str(w): rng for w, rng in plain["worker_rng"].items()}}
+    state = ResumeState.from_dict(copy)
+    assert state.yielded == 3 and state.mid_epoch and state.worker_rng_num_workers == 2
+    for w, rng in workers.rng.items():  # the workers get back what they gave
+        back = state.worker_rng[w]
+        assert torch.equal(back["torch"], rng["torch"])
+        assert back["random"] == rng["random"] and type(back["random"][1]) is tuple
+        assert torch.equal(back["numpy"][1], rng["numpy"][1]) and back["dataset"] == {"pos": w}
+        random.setstate(back["random"])  # restore_rng's own calls take them
+    plan = plan_from(DataLoaderLike(shuffle=shuffle, generator=generator)._resume_view(), copy)
+    assert plan.skip == 3 and plan.worker_rng_fits(2) and sorted(plan.worker_rng) == [0, 1]
+
+
+class JsonRng(resumable.MapGlobalRng):
+    """Keeps torch's global RNG as its own state, as a list (JSON takes it)."""
+
+    def state_dict(self):
+        return {"rng": torch.get_rng_state().tolist()}
+
+    def load_state_dict(self, state):
+        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+
+def DataLoaderLike(**kwargs):
+    """dpex's loader, Ray-free (num_workers=0), over a dataset with a JSON state."""
+    return DpexDataLoader(JsonRng(), batch_size=2, **kwargs)
+
+
+@pytest.mark.parametrize("cut", [0, 3, None])  # batches taken; None: the whole epoch
+@pytest.mark.parametrize("dataset", ["map", "iterable"])
+def test_a_state_through_json_resumes_as_an_uninterrupted_run(dataset, cut):
+    """torchdata's TestJsonSerDe: ``json.dumps`` a state, resume from the loaded copy."""
+    def new():
+        ds = JsonRng() if dataset == "map" else resumable.IterStateful()
+        return DpexDataLoader(ds, batch_size=2, shuffle=dataset == "map" or None)
+
+    torch.manual_seed(0)
+    want = [b.tolist() for _ in range(2) for b in new()]
+    torch.manual_seed(0)
+    loader, got = new(), []
+    it = iter(loader)
+    for batch in it if cut is None else (next(it) for _ in range(cut)):
+        got.append(batch.tolist())
+    text = json.dumps(loader.state_dict())
+    torch.manual_seed(0)
+    resumed = new()
+    resumed.load_state_dict(json.loads(text))
+    got += [b.tolist() for b in resumed] if cut is not None else []
+    got += [b.tolist() for b in resumed]
+    assert got == want
+
+
+def test_saving_with_no_iterator_is_an_epoch_boundary_and_reads_no_workers():
+    loader = DataLoaderLike(shuffle=True, generator=torch.Generator().manual_seed(1))
+    state = capture(loader._resume_view(), None, None).resume_state()
+    assert not state.mid_epoch and state.yielded == 0
+    assert torch.equal(state.sampler_rng, loader.generator.get_state())
+    assert state.global_rng is None  # (a generator: the global RNG is not drawn from)
+
+
+def test_an_ended_epoch_of_persistent_workers_keeps_its_base_seed_for_the_next():
+    loader = DpexDataLoader(resumable.MapGlobalRng(), batch_size=2)
+    view = loader._resume_view()
+    view = type(view)(**{**view.__dict__, "num_workers": 2, "persistent": True})
+    rng = torch.Generator().manual_seed(9).get_state()
+    position = IteratorPosition(drawn(loader, 10), 10, True, rng, epochs_served=1,
+                                workers=Workers())
+    state = capture(view, position, None).resume_state()
+    assert not state.mid_epoch and torch.equal(state.iterator_rng, rng)
+    assert state.epochs_before == 1 and sorted(state.worker_rng) == [0, 1]
+    # between epochs a worker's dataset state first finishes the epoch it was in
+    assert all(rng["finish_epoch"] for rng in state.worker_rng.values())
+
+
+def test_an_iterable_datasets_position_is_its_workers_shards():
+    loader = DpexDataLoader(resumable.IterStateful(), batch_size=2)
+    view = loader._resume_view()
+    view = type(view)(**{**view.__dict__, "num_workers": 2, "distributed": True})
+    position = IteratorPosition(drawn(loader, 4), 3, False, None, workers=Workers())
+    plain = json_trip(capture(view, position, None).state())
+    assert plain["iterable"]["next_worker"] == 1
+    assert ResumeState.from_dict(plain).iterable["workers"][1] == {"taken": 3, "ended": False}
+
+
+def test_in_order_false_mid_epoch_is_refused_by_name():
+    loader = DpexDataLoader(resumable.MapGlobalRng(), batch_size=2)
+    view = loader._resume_view()
+    view = type(view)(**{**view.__dict__, "num_workers": 2, "in_order": False})
+    with pytest.raises(UnsupportedError, match="in_order=False"):
+        capture(view, IteratorPosition(drawn(loader, 2), 1, False, None), None)
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("yielded", "3", "'yielded' is str"),
+    ("mid_epoch", 1, "'mid_epoch' is int"),
+    ("num_workers", True, "'num_workers' is bool"),
+    ("worker_rng", [1], "'worker_rng' is list"),
+])
+def test_a_state_with_a_wrong_type_is_refused_naming_the_key(key, value, named):
+    state = DataLoaderLike().state_dict()
+    with pytest.raises(ResumeStateError, match=named):
+        ResumeState.from_dict({**state, key: value})
+    incomplete = {k: v for k, v in state.items() if k != "rank"}
+    with pytest.raises(ResumeStateError, match=r"lacks \['rank'\]"):
+        ResumeState.from_dict(incomplete)
+
+
+def test_a_version_1_state_with_tensors_still_resumes():
+    """dpex before version 2 of the state kept RNG states as tensors (and no "drawn")."""
+    loader = DataLoaderLike(shuffle=True)
+    torch.manual_seed(4)
+    want = [b.tolist() for b in loader]
+    torch.manual_seed(4)
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(3)]
+    plain = loader.state_dict()
+    old = {**ResumeState.from_dict(plain).__dict__, "format": plain["format"], "version": 1}
+    del old["drawn"]
+    assert isinstance(old["sampler_draw_rng"], torch.Tensor)
+    torch.manual_seed(4)
+    resumed = DataLoaderLike(shuffle=True)
+    resumed.load_state_dict(weights_only_trip(old))
+    assert got + [b.tolist() for b in resumed] == want
+
+
+def test_torchs_iterators_positions_are_read_by_the_one_adapter():
+    loader = DataLoaderLike(shuffle=True, generator=torch.Generator().manual_seed(2))
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    position = position_of(it, None)
+    assert (position.yielded, position.ended, position.workers) == (3, False, None)
+    assert position.fetcher is not None  # num_workers=0: the dataset runs here
+    list(it)
+    assert position_of(it, None).ended
+    plain = DataLoader(range(6), batch_size=2)  # an index sampler not seen through IndexView
+    assert position_of(iter(plain), None).drawing is None
+
+
+def test_the_slot_keeps_only_its_current_iterators_end():
+    class It:
+        pass
+
+    slot, old, new = IteratorSlot(), It(), It()
+    slot.hold(old, None, strong=False, owned=True)
+    slot.hold(new, None, strong=False, owned=True)
+    kept = DataLoaderLike()._resume_position().resume_state()
+    slot.keep(old, kept)  # an older iterator ended: not where the loader stands
+    assert slot.kept is None
+    slot.keep(new, kept)
+    assert slot.kept is kept
+    assert set(slot.owned()) == {old, new}
+    slot.empty()  # load_state_dict(): nothing current, nothing kept
+    assert slot.current is None and slot.kept is None
+    slot.keep(new, kept)
+    assert slot.kept is None
+    ref = weakref.ref(new)
+    del new
+    assert ref() is None  # the slot does not keep an iterator alive unless told to
+
+
+def refers_to(value, target):
+    if value is target:
+        return True
+    if isinstance(value, weakref.ref):
+        return value() is target
+    if isinstance(value, (weakref.WeakSet, set, list, tuple)):
+        return any(refers_to(v, target) for v in value)
+    if isinstance(value, dict):
+        return any(refers_to(v, target) for v in value.values())
+    return False
+
+
+def test_the_loader_refers_to_its_current_iterator_from_one_slot():
+    """One slot (torch's own ``_iterator`` aside, which holds a persistent iterator)."""
+    loader = DataLoaderLike()
+    it = iter(loader)
+    next(it)
+    holders = sorted(name for name, value in vars(loader).items() if refers_to(value, it)
+                     or refers_to(getattr(value, "__dict__", None), it))
+    assert holders == ["_slot"]
