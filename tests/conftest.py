@@ -1,5 +1,14 @@
-"""Shared fixtures: one Ray instance per test session, started the way dpex starts it
-for a user (the embedded default: this machine's cores, nothing special)."""
+"""Shared fixtures and the test tiers.
+
+- ``ray_session``: one Ray instance per test process (``scripts/test.sh`` runs two,
+  pytest-xdist, so two embedded instances share the machine), started the way dpex
+  starts it for a user: the embedded default, this machine's cores, nothing special.
+- Leaks fail: a test on that instance must stop every worker it started.
+- The tiers (README, Development): ``pytest_collection_modifyitems`` marks ``ray`` and
+  ``e2e`` tests; the ``fast`` tier is neither.
+- Test datasets are shipped to Ray workers by value, and torch's reference loaders'
+  forkserver preloads them.
+"""
 
 import multiprocessing
 import os

@@ -142,7 +142,7 @@ class EpochDriver:
             # (kept: replacements load the same object)
             ref, reused, *keys = ship()
             for rec in self.sched.workers.records if keys else ():
-                # (the shipment's digest, and the one it replaces: see ship())
+                # (the digest it replaces, and the shipment's own: see ship())
                 rec.spec = dataclasses.replace(rec.spec, replaces=keys[0], shipment=keys[1])
             self.shipped = Shipment(ref, reused, shipped_bytes)
             runtime.workers.start(self.specs, ref)
