@@ -62,6 +62,10 @@ class Elastic:
         """The calling thread takes the batches from now on."""
         self._training_thread = threading.get_ident()
 
+    def is_training_thread(self) -> bool:
+        """Whether the calling thread is the one that takes the batches."""
+        return threading.get_ident() == self._training_thread
+
     def begin(self) -> None:
         """An epoch begins (the time between epochs is not the loop's)."""
         if self.autoscaler is not None:

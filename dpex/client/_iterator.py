@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import threading
 import time
 import traceback
 import weakref
@@ -293,8 +292,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         loader = self._loader_ref() if started else None
         if loader is not None and not self._driver.closed:
             try:  # (its workers' states too, asked from the thread that took its batches)
-                ask = threading.get_ident() == getattr(self._driver.elastic,
-                                                       "_training_thread", None)
+                ask = self._driver.elastic.is_training_thread()
                 loader._keep_position(self, ask_workers=ask, limit=_DROPPED_RNG_QUERY_S)
             except Exception:  # never from __del__; the state is then an epoch boundary
                 logger.debug("dpex: could not keep a dropped iterator's position",
