@@ -334,12 +334,6 @@ class DpexDataLoader(DataLoader[T_co]):
     def _resume_view(self) -> LoaderView:
         """What saving and loading a state read of this loader."""
         iterable = isinstance(self.dataset, torch.utils.data.IterableDataset)  # (torch's kind)
-        length = None
-        if not iterable:  # (an IterableDataset's length is a hint, and asking for it
-            try:          # would make torch warn when the epoch runs longer)
-                length = len(self)
-            except TypeError:
-                pass
         return LoaderView(
             index_sampler=self._torch_index_sampler, sampler=self.sampler,
             batch_sampler=self.batch_sampler, generator=self.generator,
@@ -347,7 +341,7 @@ class DpexDataLoader(DataLoader[T_co]):
             distributed=self._distributed,
             persistent=bool(self.persistent_workers) and self.num_workers > 0,
             in_order=bool(getattr(self, "in_order", True)), batch_size=self.batch_size,
-            drop_last=bool(self.drop_last), length=length)
+            drop_last=bool(self.drop_last), measure=self.__len__)
 
     def _set_generator(self, generator: torch.Generator | None) -> None:
         self.__dict__["generator"] = generator  # (DataLoader refuses setting it later)
@@ -438,7 +432,7 @@ class DpexDataLoader(DataLoader[T_co]):
         if not self._distributed:
             raise ValueError("scale_workers() changes dpex's workers (distribute_mode=True, "
                              "num_workers > 0); torch's own loader has a fixed count")
-        iterator = self._slot.current
+        iterator = self._slot.newest
         if iterator is not None and not iterator.closed:
             iterator.scale_to(n)
         elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -453,7 +447,7 @@ class DpexDataLoader(DataLoader[T_co]):
         (``dpex.stats_prometheus(loader)`` gives them in Prometheus' format). A
         finished iterator that was already collected reports what it counted when it
         shut down."""
-        iterator = self._slot.current if self._distributed else None
+        iterator = self._slot.newest
         return iterator.stats() if iterator is not None else dict(self._final_stats)
 
     def close(self) -> None:

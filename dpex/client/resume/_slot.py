@@ -5,7 +5,9 @@ seed came from, and, once it ended in the middle of an epoch (closed, or dropped
 loop left with ``break``), the state it stood at, so ``state_dict()`` still says where
 it stood. It also knows every live dpex iterator of the loader, which ``close()`` stops.
 Only the current iterator's end is kept: an older one dropped later, or the one running
-when ``load_state_dict()`` emptied the slot, stands elsewhere.
+when ``load_state_dict()`` emptied the slot, stands elsewhere. That one still runs, though:
+``stats()`` and ``scale_workers()`` reach the newest dpex iterator (:attr:`newest`),
+which emptying the slot leaves alone.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class IteratorSlot:
         self.iterator_rng: torch.Tensor | None = None
         self.kept: ResumeState | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()  # dpex's iterators, to close()
+        self._newest: weakref.ref | None = None  # the newest of them
 
     def hold(self, iterator: Any, iterator_rng: torch.Tensor, *, strong: bool,
              owned: bool) -> None:
@@ -42,11 +45,17 @@ class IteratorSlot:
         self.iterator_rng, self.kept = iterator_rng, None
         if owned:
             self._live.add(iterator)
+            self._newest = weakref.ref(iterator)
 
     @property
     def current(self) -> Any:
         """The current iterator, while it lives (None after :meth:`empty`)."""
         return self._ref() if self._ref is not None else None
+
+    @property
+    def newest(self) -> Any:
+        """The newest live dpex iterator (``stats()``, ``scale_workers()``), current or not."""
+        return self._newest() if self._newest is not None else None
 
     def is_current(self, iterator: Any) -> bool:
         return self._id is not None and id(iterator) == self._id

@@ -24,6 +24,8 @@ __all__ = ["FORMAT", "STATE_VERSION", "ResumeState", "rng_from_plain", "rng_to_p
 FORMAT = "dpex.DpexDataLoader"
 STATE_VERSION = 2
 _READS = (1, 2)  # version 1: RNG states as tensors, no "drawn" (its epochs had drawn)
+# Keys version 1 gained over its life (a state of an earlier dpex lacks them), as read then.
+_VERSION_1_DEFAULTS = {"rank": 0, "world_size": 1, "identity": None, "sampler_epoch": None}
 _RNG_FIELDS = ("sampler_rng", "base_rng", "sampler_draw_rng", "iterator_rng", "global_rng")
 
 
@@ -157,6 +159,10 @@ class ResumeState:
                 f"this loader state has version {plain.get('version')!r}; this dpex reads "
                 f"versions {', '.join(map(str, _READS))}: resume with the dpex version that "
                 "saved it")
+        if plain["version"] == 1:
+            plain = {**_VERSION_1_DEFAULTS, **plain}
+            if not isinstance(plain["sampler_epoch"], int):  # (a float epoch was saved too)
+                plain["sampler_epoch"] = None
         values = {f.name: plain[f.name] for f in dataclasses.fields(cls) if f.name in plain}
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in plain
                    and f.default is dataclasses.MISSING]

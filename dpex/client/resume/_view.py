@@ -5,6 +5,8 @@ nothing else of the loader, so they can be tested with any loader's configuratio
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,4 +28,16 @@ class LoaderView:
     in_order: bool
     batch_size: int | None
     drop_last: bool
-    length: int | None  # batches per epoch of a map-style loader (None: unknown)
+    measure: Callable[[], int]  # len(loader): asked for only where a state needs it
+
+    @functools.cached_property
+    def length(self) -> int | None:
+        """Batches per epoch of a map-style loader (None: an IterableDataset, whose
+        length is a hint and would make torch warn when the epoch runs longer, or a
+        sampler with no length)."""
+        if self.iterable:
+            return None
+        try:
+            return self.measure()
+        except (TypeError, NotImplementedError):  # (the two ways samplers say "none")
+            return None
