@@ -1,23 +1,23 @@
-"""EpochDriver (dpex/client/_driver.py) on an in-memory runtime: no Ray, no sockets, no
-threads. The loop thread runs what it is given at once, the session records what it
-sends, the worker group records what it starts; workers "answer" by putting events
-on the driver's queue, as the loop thread and the worker group do (batches too: the
-session's data socket, which the training thread reads itself, is empty here). What the live
-tests (test_lifecycle.py, test_errors.py, test_lost.py, test_autoscale.py) check end to
-end, these check of the driver's own rules, in milliseconds."""
+"""EpochDriver (dpex/client/_driver.py) on an in-memory runtime (tests/fake_runtime.py):
+no Ray, no sockets, no threads. The loop thread runs what it is given at once, the
+session records what it sends, the worker group records what it starts; workers
+"answer" by putting events on the driver's queue, as the loop thread and the worker
+group do (batches too: the session's data socket, which the training thread reads
+itself, is empty here). What the live tests (test_lifecycle.py, test_errors.py,
+test_lost.py, test_autoscale.py) check end to end, these check of the driver's own
+rules, in milliseconds; test_driver_*.py do so with the fake playing the workers."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
+from fake_runtime import Owner, Runtime, Workers, batch, draws, driver, hello
 
 from dpex._config import DpexConfig
-from dpex._protocol import Kind, Message
-from dpex._version import local_versions
+from dpex._protocol import Kind
 from dpex.client._driver import EpochDriver
 from dpex.client._events import LoopFailure, RngReply, WorkerExit, WorkerHello
 from dpex.client._launch import plan_launch
@@ -30,141 +30,6 @@ from dpex.errors import (
     WorkerDiedError,
     WorkerStartupError,
 )
-
-
-class Session:
-    """The trainer session's face to the driver: what was sent, in order."""
-
-    wire, data_address, control_address = "wire", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
-    keys = SimpleNamespace(client="keys")
-
-    def __init__(self) -> None:
-        self.sent: list[tuple] = []
-        self.fail_with: Exception | None = None
-
-    def send_all(self, messages) -> None:
-        if self.fail_with is not None:
-            raise self.fail_with
-        self.sent.append(("send_all", [(type(m).__name__, m.worker_id) for m in messages]))
-
-    def receive(self) -> list:
-        return []  # (batches come on the driver's queue here)
-
-    def wait(self, timeout: float) -> None:
-        time.sleep(min(timeout, 0.005))
-
-    def send(self, w, kind, *payload) -> None:
-        self.sent.append(("send", w, kind, *payload))
-
-    def expect(self, w, incarnation) -> None:
-        self.sent.append(("expect", w, incarnation))
-
-    def forget(self, w) -> None:
-        self.sent.append(("forget", w))
-
-    def retire_ring(self, ring_id) -> None:
-        self.sent.append(("retire_ring", ring_id))
-
-    def new_ring(self, size, node, w):
-        raise OSError("no rings in memory")
-
-    def counters(self) -> dict:
-        return {}
-
-
-class Loop:
-    """The loop thread: runs what it is given at once, and counts the crossings."""
-
-    running = True
-
-    def __init__(self) -> None:
-        self.crossings = 0
-
-    def call_soon(self, fn, *args) -> None:
-        self.crossings += 1
-        fn(*args)
-
-
-class Workers:  # dpex.client._runtime.Workers, in memory
-    options: dict = {}
-    actors: dict = {}
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def start(self, specs, shipped) -> None:
-        self.calls.append(("start", [s.worker_id for s in specs], shipped))
-
-    def restart(self, spec, shipped) -> None:
-        self.calls.append(("restart", spec.worker_id, spec.incarnation))
-
-    def add(self, spec, shipped) -> None:
-        self.calls.append(("add", spec.worker_id, spec.num_workers))
-
-    def retire(self, w) -> None:
-        self.calls.append(("retire", w))
-
-    def kill(self, w) -> None:
-        self.calls.append(("kill", w))
-
-    def stop(self) -> None:
-        self.calls.append(("stop",))
-
-    def placement_warning(self, missing):
-        return None
-
-
-class Runtime:
-    def __init__(self) -> None:
-        self.session, self.loop, self.workers = Session(), Loop(), Workers()
-        self.closed = self.opened = False
-
-    def open(self) -> None:
-        self.opened = True
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.workers.stop()
-
-
-class Owner:
-    """The iterator's part: it owns the driver and is told when the driver stops it."""
-
-    def __init__(self) -> None:
-        self.stops = 0
-        self.scaled: list[int] = []
-
-    def stop(self) -> None:
-        self.stops += 1
-        self.driver.runtime.close()
-
-
-def driver(num_workers=2, startup_timeout=120.0, max_restarts=3, **config):
-    runtime, handoff, owner = Runtime(), queue.SimpleQueue(), Owner()
-    plan = plan_launch(num_workers=num_workers, scaled_to=None, prefetch_factor=2,
-                       iterable=False, worker_seeding="torch", resume=None)
-    owner.driver = d = EpochDriver(
-        runtime, handoff, DpexConfig(startup_timeout=startup_timeout,
-                                     max_worker_restarts=max_restarts, **config),
-        plan, Seeds(base=100, shared=None), ship=lambda: ("ref", False), shipped_bytes=10,
-        node_id="node", prefetch_factor=2, in_order=True, iterable=False, timeout=0,
-        on_stop=owner.stop, on_scaled=owner.scaled.append,
-        free_resources=lambda: {"CPU": 0.0})
-    return d, runtime, handoff, owner
-
-
-def draws(n=8):
-    it = iter([[i] for i in range(n)])
-    return lambda: next(it)
-
-
-def hello(w):
-    return WorkerHello(w, {"versions": local_versions(), "node_ip": "127.0.0.1", "pid": 7})
-
-
-def batch(w, seq, epoch=1, payload=None):
-    return Message(Kind.BATCH, b"s", epoch, seq, w, payload if payload is not None else seq)
 
 
 def test_the_driver_opens_its_runtime_and_starts_every_worker_with_its_spec():
