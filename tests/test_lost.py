@@ -47,14 +47,6 @@ def test_a_lost_batch_overtaken_by_a_later_one_is_computed_again_at_once():
     assert stats["longest_wait"] < 5, stats  # found by the gap, not the 10 s silence rule
 
 
-def test_the_last_batch_of_a_worker_lost_is_found_by_its_silence():
-    kw = {"batch_size": 2, "shuffle": False, "num_workers": 2,
-          "worker_init_fn": functools.partial(dsets.lossy, victim=1, seqs=(19,))}
-    expected, got, stats = run(dsets.Squares(40, max_sleep=0.005), kw, lost_batch_timeout=2)
-    assert_same(expected, got, "epoch")
-    assert stats["dropped"]["lost"] == 1, stats
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["sleeps", "SIGSTOP"])
 @pytest.mark.parametrize("at", [0, 9])  # its first batch (with loading), or later
@@ -106,31 +98,6 @@ def test_an_iterable_shard_with_a_lost_batch_is_resumed_by_a_replacement_exactly
     expected, got, stats = run(dsets.ShardedRange(40, max_sleep=0.005), kw)
     assert_same(expected, got, "epoch")
     assert stats["dropped"]["lost"] >= 1 and stats["dropped"]["restarted"] == 1, stats
-
-
-def test_a_dead_workers_tasks_go_to_the_survivors_before_its_replacement_is_up():
-    """The epoch's remaining batches need no replacement: they come from worker 0 while
-    worker 1's replacement is still starting (a new actor, seconds here: a worker that
-    reserves CPUs is an actor of its own, not a session forked on a host)."""
-    kw = {"batch_size": 2, "shuffle": True, "num_workers": 2}
-    dataset = dsets.Squares(40, max_sleep=0.002)
-    torch.manual_seed(4)
-    expected = list(dsets.torch_loader(dataset, **kw))
-    torch.manual_seed(4)
-    it = iter(DpexDataLoader(dataset, distribute_mode=True, timeout=60,
-                             ray_remote_args={"num_cpus": 0.01}, **kw))
-    got = [next(it) for _ in range(3)]
-    while len(it._ready) < 2:
-        it._driver.receive_one()
-    info = it._ready[1]  # the process that computes its batches
-    os.kill(info.get("session_pid", info["pid"]), signal.SIGKILL)
-    got += list(it)
-    done = time.monotonic()
-    assert_same(expected, got, "epoch")
-    stats = it.stats()
-    assert stats["dropped"].get("handed_over", 0) >= 1, stats
-    recovery = stats["recoveries"][0]
-    assert done < recovery.get("ready_at", float("inf")), recovery
 
 
 def test_a_replacement_is_forked_on_a_live_worker_of_its_loader():
