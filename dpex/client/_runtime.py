@@ -31,7 +31,7 @@ __all__ = ["Runtime", "Seeds", "Shipment", "Workers", "ship"]
 class Workers(Protocol):
     """What an iterator's driver asks of its workers, whoever runs them: actors of its
     own (:class:`WorkerGroup`), sessions on a fleet (:class:`FleetGroup`), or an
-    in-memory stand-in (tests/test_driver.py). Every method returns at once; a
+    in-memory stand-in (tests/fake_runtime.py). Every method returns at once; a
     worker's HELLO, batches and end come as events on the queue the group was given
     (:class:`~dpex.client._events.WorkerHello`, ``WorkerExit``)."""
 
