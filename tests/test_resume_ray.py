@@ -132,10 +132,12 @@ def test_prefetched_batches_not_yet_taken_are_computed_again_not_lost():
     it = iter(loader)
     part = [next(it) for _ in range(2)]
     # The epoch's first 4 tasks (the credit window) went out at once: batches 2 and 3
-    # arrive without being taken (later tasks go out as the loop needs them).
+    # arrive without being taken (later tasks go out as the loop needs them). The
+    # training thread reads what arrived only while it waits for a batch (one hop):
+    # wait here as it would, or whether they were read is a race with the workers.
     deadline = time.monotonic() + 30
     while loader.stats()["received"] < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
+        it._driver.receive_one(until=time.monotonic() + 0.05)
     assert loader.stats()["received"] >= 4
     state = round_trip(loader.state_dict())
     assert state["yielded"] == 2
