@@ -24,7 +24,17 @@ empty here):
   (``rng_state(w, incarnation, epoch, seq)``), None for a batch it never computed,
   and nothing at all if its id is in ``mute`` or it is dead.
 
-Only map-style work: a RESUME or SKIP is recorded, not acted on.
+``driver(shards={w: [...]})``: an IterableDataset's worker group (the driver is told
+``iterable``). Each worker iterates its own shard (``shards[w]``, one entry per
+batch), as dpex's TaskRunner does: each task is its shard's next batch, whatever the
+task's (placeholder) indices; once the shard is exhausted it answers END, and every
+later task too, until a RESUME (a new epoch: its shard anew). A SKIP of ``n`` passes
+over ``n`` batches before its epoch's next task (a task of another epoch, or a RESUME,
+drops it). A new incarnation starts its shard anew, or where its spec's
+``rng_state["dataset"]["pos"]`` says (a stateful dataset's own state, resumed).
+Controls and tasks are applied in the order sent (``controls`` records them).
+Without ``shards`` the work is map-style (``compute(indices)``): a RESUME or SKIP is
+recorded, not acted on.
 """
 
 from __future__ import annotations
@@ -44,10 +54,11 @@ from dpex.client._driver import EpochDriver
 from dpex.client._events import RngReply, WorkerExit, WorkerHello
 from dpex.client._launch import plan_launch
 from dpex.client._runtime import Seeds
-from dpex.client._scheduler import EPOCH_END, SendTasks
+from dpex.client._scheduler import EPOCH_END, Control, SendTasks
 
 __all__ = ["Session", "Loop", "Workers", "Runtime", "Owner", "driver", "draws", "hello",
-           "batch", "rng_state", "start", "take", "rest", "indices", "wait_for"]
+           "batch", "rng_state", "start", "start_shards", "take", "rest", "indices",
+           "round_robin", "wait_for"]
 
 
 def hello(w: int, pid: int = 7, node_ip: str = "127.0.0.1") -> WorkerHello:
@@ -134,8 +145,14 @@ class FakeWorker:
     alive: bool = True
     ready: bool = False
     paused: bool = False
+    # ("task", epoch, seq, indices), or ("resume" | "skip", epoch, payload): in order sent
     tasks: collections.deque = dataclasses.field(default_factory=collections.deque)
     computed: set = dataclasses.field(default_factory=set)  # (epoch, seq)
+    # An IterableDataset's worker: where it stands in its shard, whether it found the
+    # end, and the SKIP (epoch, n) it has yet to apply.
+    pos: int = 0
+    exhausted: bool = False
+    skip: tuple[int, int] | None = None
 
     @property
     def pid(self) -> int:
@@ -145,13 +162,20 @@ class FakeWorker:
 class Workers:  # dpex.client._runtime.Workers, in memory
     options: dict = {}
 
-    def __init__(self, handoff: Any = None, compute: Callable[[Any], Any] = lambda i: i
-                 ) -> None:
+    def __init__(self, handoff: Any = None, compute: Callable[[Any], Any] = lambda i: i,
+                 shards: dict[int, list] | None = None) -> None:
         """``handoff``: the driver's queue, where a live group's workers answer (None:
-        it only records the calls)."""
+        it only records the calls); ``shards``: an IterableDataset's, per worker id
+        (see the module's docstring)."""
         self.calls: list[tuple] = []
         self.actors: dict[int, FakeWorker] = {}  # each id's current incarnation
-        self.handoff, self.compute = handoff, compute
+        self.handoff, self.compute, self.shards = handoff, compute, shards
+        # (worker, incarnation, kind, epoch, payload): RESUME and SKIP, as each applied it
+        self.controls: list[tuple] = []
+        # An IterableDataset's workers: (worker, incarnation, epoch, seq) of each batch
+        # of its shard, and of each END, it computed
+        self.batches: list[tuple[int, int, int, int]] = []
+        self.ends: list[tuple[int, int, int, int]] = []
         self.never_start: set[int] = set()  # ids whose next start never says HELLO
         self.mute: set[int] = set()  # ids that do not answer an RNG_QUERY
         self.drop: set[tuple[int, int]] = set()  # (worker, seq): data messages lost
@@ -164,15 +188,15 @@ class Workers:  # dpex.client._runtime.Workers, in memory
     def start(self, specs, shipped) -> None:
         self.calls.append(("start", [s.worker_id for s in specs], shipped))
         for spec in specs:
-            self._launch(spec.worker_id, spec.incarnation)
+            self._launch(spec)
 
     def restart(self, spec, shipped) -> None:
         self.calls.append(("restart", spec.worker_id, spec.incarnation))
-        self._launch(spec.worker_id, spec.incarnation)
+        self._launch(spec)
 
     def add(self, spec, shipped) -> None:
         self.calls.append(("add", spec.worker_id, spec.num_workers))
-        self._launch(spec.worker_id, spec.incarnation)
+        self._launch(spec)
 
     def retire(self, w) -> None:
         self.calls.append(("retire", w))
@@ -194,10 +218,13 @@ class Workers:  # dpex.client._runtime.Workers, in memory
 
     # -- the workers, played (live) ----------------------------------------------------
 
-    def _launch(self, w: int, incarnation: int) -> None:
+    def _launch(self, spec) -> None:
         if self.handoff is None:
             return
-        self.actors[w] = FakeWorker(w, incarnation)
+        w = spec.worker_id
+        # (a stateful dataset's own state, resumed: where its shard stands)
+        pos = ((spec.rng_state or {}).get("dataset") or {}).get("pos", 0)
+        self.actors[w] = FakeWorker(w, spec.incarnation, pos=pos)
         if w in self.never_start:
             self.never_start.discard(w)
         else:
@@ -211,11 +238,18 @@ class Workers:  # dpex.client._runtime.Workers, in memory
         self._compute(worker)
 
     def deliver(self, message: Any) -> None:
-        """A message the session sent: tasks are computed (or lost with a dead worker)."""
+        """A message the session sent: tasks are computed (or lost with a dead worker),
+        controls applied in their turn."""
         worker = self.actors.get(message.worker_id)
-        if not isinstance(message, SendTasks) or worker is None or not worker.alive:
+        if worker is None or not worker.alive:
             return
-        worker.tasks.extend((message.epoch, seq, indices) for seq, indices in message.tasks)
+        if isinstance(message, SendTasks):
+            worker.tasks.extend(("task", message.epoch, seq, indices)
+                                for seq, indices in message.tasks)
+        elif isinstance(message, Control) and message.kind in (Kind.RESUME, Kind.SKIP):
+            worker.tasks.append((message.kind.name.lower(), message.epoch, message.payload))
+        else:
+            return
         self._compute(worker)
 
     def pause(self, w: int) -> None:
@@ -261,10 +295,15 @@ class Workers:  # dpex.client._runtime.Workers, in memory
             return
         out = []
         while worker.tasks:
-            epoch, seq, indices = worker.tasks.popleft()
+            kind, epoch, *rest = worker.tasks.popleft()
+            if kind != "task":
+                self._control(worker, kind, epoch, rest[0])
+                continue
+            seq, indices = rest
             worker.computed.add((epoch, seq))
             self.computed.append((worker.id, worker.incarnation, seq))
-            msg = batch(worker.id, seq, epoch, self.compute(indices), worker.incarnation)
+            msg = (self._shard_task(worker, epoch, seq) if self.shards is not None else
+                   batch(worker.id, seq, epoch, self.compute(indices), worker.incarnation))
             if (worker.id, seq) in self.drop:
                 self.drop.discard((worker.id, seq))
             elif (worker.id, seq) in self.late:
@@ -275,13 +314,39 @@ class Workers:  # dpex.client._runtime.Workers, in memory
         if out:
             self.handoff.put(out)  # (data messages that arrived together)
 
+    def _control(self, worker: FakeWorker, kind: str, epoch: int, payload: Any) -> None:
+        """A RESUME or SKIP, in its turn among the tasks (TaskRunner.resume / skip)."""
+        self.controls.append((worker.id, worker.incarnation, kind, epoch, payload))
+        if self.shards is None:
+            return  # (map-style: recorded only)
+        if kind == "resume":  # a new epoch: the shard anew; a pending SKIP is dropped
+            worker.pos, worker.exhausted, worker.skip = 0, False, None
+        else:
+            worker.skip = (epoch, payload)
+
+    def _shard_task(self, worker: FakeWorker, epoch: int, seq: int) -> Message:
+        """The shard's next batch, or END once it is exhausted (TaskRunner._run_task)."""
+        shard = self.shards[worker.id]
+        if worker.skip is not None:
+            (skip_epoch, n), worker.skip = worker.skip, None
+            if skip_epoch == epoch:  # (passed over: fetched and dropped)
+                worker.pos += n
+                worker.exhausted = worker.pos > len(shard)
+        if not worker.exhausted and worker.pos < len(shard):
+            worker.pos += 1
+            self.batches.append((worker.id, worker.incarnation, epoch, seq))
+            return batch(worker.id, seq, epoch, shard[worker.pos - 1], worker.incarnation)
+        worker.exhausted = True
+        self.ends.append((worker.id, worker.incarnation, epoch, seq))
+        return Message(Kind.END, b"s", epoch, seq, worker.id, incarnation=worker.incarnation)
+
 
 class Runtime:
-    def __init__(self, handoff: Any = None, compute: Callable[[Any], Any] = lambda i: i
-                 ) -> None:
+    def __init__(self, handoff: Any = None, compute: Callable[[Any], Any] = lambda i: i,
+                 shards: dict[int, list] | None = None) -> None:
         """``handoff``: the driver's queue, for a live worker group (see the module's
-        docstring); None: one that only records."""
-        self.workers = Workers(handoff, compute)
+        docstring); None: one that only records. ``shards``: an IterableDataset's."""
+        self.workers = Workers(handoff, compute, shards)
         self.session = Session(self.workers if handoff is not None else None)
         self.loop = Loop()
         self.closed = self.opened = False
@@ -308,21 +373,28 @@ class Owner:
 
 
 def driver(num_workers=2, startup_timeout=120.0, max_restarts=3, *, live=False,
-           compute: Callable[[Any], Any] = lambda i: i, before_start=None, **config):
+           compute: Callable[[Any], Any] = lambda i: i, before_start=None,
+           shards: dict[int, list] | None = None, worker_rng: dict | None = None, **config):
     """An EpochDriver on an in-memory runtime: (driver, runtime, handoff, owner).
     ``live``: the worker group plays the workers (see the module's docstring);
-    ``before_start(workers)`` sets them up before the driver starts them."""
+    ``before_start(workers)`` sets them up before the driver starts them. ``shards``
+    (live): an IterableDataset's, one list of batches per worker id (the driver is told
+    ``iterable``); ``worker_rng``: the RNG states each worker id starts from (a resumed
+    run's, as plan_launch would give them)."""
     handoff, owner = queue.SimpleQueue(), Owner()
-    runtime = Runtime(handoff if live else None, compute)
+    iterable = shards is not None
+    runtime = Runtime(handoff if live else None, compute, shards)
     if before_start is not None:
         before_start(runtime.workers)
     plan = plan_launch(num_workers=num_workers, scaled_to=None, prefetch_factor=2,
-                       iterable=False, worker_seeding="torch", resume=None)
+                       iterable=iterable, worker_seeding="torch", resume=None)
+    if worker_rng:
+        plan = dataclasses.replace(plan, worker_rng=worker_rng)
     owner.driver = d = EpochDriver(
         runtime, handoff, DpexConfig(startup_timeout=startup_timeout,
                                      max_worker_restarts=max_restarts, **config),
         plan, Seeds(base=100, shared=None), ship=lambda: ("ref", False), shipped_bytes=10,
-        node_id="node", prefetch_factor=2, in_order=True, iterable=False, timeout=0,
+        node_id="node", prefetch_factor=2, in_order=True, iterable=iterable, timeout=0,
         on_stop=owner.stop, on_scaled=owner.scaled.append,
         free_resources=lambda: {"CPU": 0.0})
     return d, runtime, handoff, owner
@@ -345,9 +417,46 @@ def start(d: EpochDriver, n: int) -> Callable[[], Any]:
     return draw
 
 
+def start_shards(d: EpochDriver, *, first_worker: int = 0, ended: frozenset = frozenset(),
+                 skips: dict[int, int] | None = None, shared_seed: Any = None
+                 ) -> Callable[[], Any]:
+    """Begin an IterableDataset's epoch (torch's endless placeholder indices: it ends
+    when every shard did); returns its draw. ``ended``, ``skips``: a resumed epoch's
+    (see EpochDriver.start_epoch)."""
+    def draw() -> list[None]:
+        return [None]
+
+    d.start_epoch(draw, shared_seed=shared_seed, first_worker=first_worker, ended=ended,
+                  skips=skips or {})
+    return draw
+
+
+def round_robin(shards: dict[int, list], first_worker: int = 0,
+                skips: dict[int, int] | None = None, ended: Any = ()) -> list[Any]:
+    """torch's epoch over an IterableDataset's shards: one batch of each worker in turn
+    from ``first_worker``, a worker left out of the turn once its shard ended
+    (``skips``: batches each passes over first; ``ended``: shards over already)."""
+    left = {w: collections.deque(shard[(skips or {}).get(w, 0):])
+            for w, shard in shards.items() if w not in ended}
+    order = sorted(left, key=lambda w: (w < first_worker, w))  # (from first_worker on)
+    out = []
+    while any(left.values()):
+        for w in order:
+            if left[w]:
+                out.append(left[w].popleft())
+    return out
+
+
+def _next_batch(d: EpochDriver, draw: Callable[[], Any]) -> Any:
+    """The next message that is not an END (the iterator passes over those)."""
+    while (msg := d.next_message(draw)) is not EPOCH_END and msg.kind is Kind.END:
+        pass
+    return msg
+
+
 def take(d: EpochDriver, draw: Callable[[], Any], k: int) -> list[Any]:
     """The next ``k`` batches' payloads."""
-    return [d.next_message(draw).payload for _ in range(k)]
+    return [_next_batch(d, draw).payload for _ in range(k)]
 
 
 def wait_for(d: EpochDriver, condition: Callable[[], bool], limit: float = 5.0) -> None:
@@ -361,6 +470,6 @@ def wait_for(d: EpochDriver, condition: Callable[[], bool], limit: float = 5.0) 
 def rest(d: EpochDriver, draw: Callable[[], Any]) -> list[Any]:
     """The rest of the epoch's payloads."""
     out = []
-    while (msg := d.next_message(draw)) is not EPOCH_END:
+    while (msg := _next_batch(d, draw)) is not EPOCH_END:
         out.append(msg.payload)
     return out
