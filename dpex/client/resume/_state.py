@@ -45,36 +45,23 @@ def rng_from_plain(plain: Any, dtype: torch.dtype = torch.uint8) -> torch.Tensor
     return torch.frombuffer(bytearray(base64.b64decode(plain)), dtype=dtype).clone()
 
 
-def _worker_rng_to_plain(rng: dict | None) -> dict | None:
-    """A worker's RNG states (``server._rng.RngRecorder.capture``, with its dataset's own
-    states) as plain data: torch's as base64, ``random``'s and NumPy's as lists."""
+# A worker's RNG states (``server._rng.RngRecorder.capture``, beside its dataset's own
+# states, which stay as the dataset gave them): each part's way to plain data and back.
+_WORKER_RNG_PARTS = {
+    "torch": (rng_to_plain, rng_from_plain),
+    "random": (lambda s: [s[0], list(s[1]), s[2]],  # (version, 625 words, gauss)
+               lambda p: (p[0], tuple(p[1]), p[2])),
+    "numpy": (lambda s: [s[0], rng_to_plain(s[1]), *s[2:]],  # (kind, keys, pos, ...)
+              lambda p: (p[0], rng_from_plain(p[1], torch.int32), *p[2:])),
+}
+
+
+def _worker_rng(rng: dict | None, direction: int) -> dict | None:
+    """``rng`` with each RNG part made plain (direction 0) or read back (1)."""
     if rng is None:
         return None
-    plain = dict(rng)
-    if "torch" in plain:
-        plain["torch"] = rng_to_plain(plain["torch"])
-    if "random" in plain:
-        version, words, gauss = plain["random"]
-        plain["random"] = [version, list(words), gauss]
-    if "numpy" in plain:
-        kind, keys, pos, has_gauss, cached = plain["numpy"]
-        plain["numpy"] = [kind, rng_to_plain(keys), pos, has_gauss, cached]
-    return plain
-
-
-def _worker_rng_from_plain(plain: dict | None) -> dict | None:
-    if plain is None:
-        return None
-    rng = dict(plain)
-    if "torch" in rng:
-        rng["torch"] = rng_from_plain(rng["torch"])
-    if "random" in rng:
-        version, words, gauss = rng["random"]
-        rng["random"] = (version, tuple(words), gauss)
-    if "numpy" in rng:
-        kind, keys, pos, has_gauss, cached = rng["numpy"]
-        rng["numpy"] = (kind, rng_from_plain(keys, torch.int32), pos, has_gauss, cached)
-    return rng
+    return {key: _WORKER_RNG_PARTS[key][direction](value) if key in _WORKER_RNG_PARTS
+            else value for key, value in rng.items()}
 
 
 def _int_keys(mapping: dict | None) -> dict | None:
@@ -141,7 +128,7 @@ class ResumeState:
         for name in _RNG_FIELDS:
             plain[name] = rng_to_plain(plain[name])
         if self.worker_rng is not None:
-            plain["worker_rng"] = {w: _worker_rng_to_plain(rng)
+            plain["worker_rng"] = {w: _worker_rng(rng, 0)
                                    for w, rng in self.worker_rng.items()}
         return plain
 
@@ -179,7 +166,7 @@ class ResumeState:
         for name in _RNG_FIELDS:
             setattr(state, name, rng_from_plain(getattr(state, name)))
         if state.worker_rng is not None:
-            state.worker_rng = {w: _worker_rng_from_plain(rng)
+            state.worker_rng = {w: _worker_rng(rng, 1)
                                 for w, rng in _int_keys(state.worker_rng).items()}
         if state.iterable is not None and "workers" in state.iterable:
             state.iterable = {**state.iterable, "workers": _int_keys(state.iterable["workers"])}
