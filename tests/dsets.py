@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import signal
@@ -222,6 +223,15 @@ def torch_loader(*args, **kwargs) -> DataLoader:
     if kwargs.get("num_workers", 0) > 0:
         kwargs.setdefault("multiprocessing_context", "forkserver")
     return DataLoader(*args, **kwargs)
+
+
+def round_trip(state):
+    """What a checkpoint gives back: ``torch.save`` (pickle protocol 3: a bytes object
+    would not survive otherwise), then ``torch.load(weights_only=True)``."""
+    buf = io.BytesIO()
+    torch.save(state, buf, pickle_protocol=3)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
 
 
 def assert_same(a, b, path: str = "batch") -> None:

@@ -8,19 +8,12 @@ import dsets
 import pytest
 import resumable
 import torch
+from dsets import round_trip
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
 
 from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
 
 N, BATCH = 50, 4  # 13 batches per epoch, the last one short
-
-
-def round_trip(state):
-    """What a checkpoint gives back: torch.save, then torch.load with weights_only."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def as_lists(batch):

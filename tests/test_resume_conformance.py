@@ -10,14 +10,13 @@ listed below, which must still fail (docs/RESUME.md's table says the same).
 """
 
 import gc
-import io
 import re
 
 import dsets
 import pytest
 import resumable
 import torch
-from dsets import assert_same
+from dsets import assert_same, round_trip
 from torch.utils.data import DistributedSampler
 
 from dpex import DpexDataLoader, ResumeStateError
@@ -42,13 +41,6 @@ CUTS = {  # name -> (epoch, batches taken; None: the whole epoch, state after th
     "between-epochs": (0, None),
     "second-epoch": (1, 2),
 }
-
-
-def round_trip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def make(cls, dataset, num_workers, persistent, **kwargs):

@@ -1,7 +1,6 @@
 """Mid-epoch resume with dpex's workers: a resumed run yields exactly torch's
 uninterrupted batches, worker seeds and worker RNG draws included."""
 
-import io
 import json
 import os
 import signal
@@ -10,19 +9,11 @@ import time
 import dsets
 import pytest
 import torch
-from dsets import assert_same
+from dsets import assert_same, round_trip
 
 from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
-
-
-def round_trip(state):
-    """A checkpoint's trip (pickle protocol 3: a bytes object would not survive weights_only)."""
-    buf = io.BytesIO()
-    torch.save(state, buf, pickle_protocol=3)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def rest_of_epoch(loader, state):

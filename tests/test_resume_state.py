@@ -3,7 +3,6 @@ function of a loader's view and an iterator's position: no Ray, no process. dpex
 workers are stood in for by what they answer (tests/test_resume_ray.py runs them)."""
 
 import dataclasses
-import io
 import json
 import random
 import weakref
@@ -11,6 +10,7 @@ import weakref
 import pytest
 import resumable
 import torch
+from dsets import round_trip
 from torch.utils.data import DataLoader
 
 from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
@@ -27,13 +27,6 @@ from dpex.server._rng import RngRecorder
 
 def json_trip(state):
     return json.loads(json.dumps(state))
-
-
-def weights_only_trip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def leaves(value):
@@ -90,7 +83,7 @@ def test_a_mid_epoch_state_with_dpex_workers_is_json_and_resumes_from_the_json_c
     assert workers.asked == [{0: (0, 0), 1: (0, 1)}]
     assert not any(isinstance(leaf, torch.Tensor) for leaf in leaves(plain))
     copy = json_trip(plain)
-    assert weights_only_trip(plain) == plain
+    assert round_trip(plain) == plain
     assert copy == plain | {"worker_rng": {str(w): rng for w, rng in plain["worker_rng"].items()}}
     state = ResumeState.from_dict(copy)
     assert state.yielded == 3 and state.mid_epoch and state.worker_rng_num_workers == 2
@@ -213,7 +206,7 @@ def test_a_version_1_state_with_tensors_still_resumes():
     assert isinstance(old["sampler_draw_rng"], torch.Tensor)
     torch.manual_seed(4)
     resumed = DataLoaderLike(shuffle=True)
-    resumed.load_state_dict(weights_only_trip(old))
+    resumed.load_state_dict(round_trip(old))
     assert got + [b.tolist() for b in resumed] == want
 
 

@@ -2,14 +2,13 @@
 so an epoch is the same with any number of workers, after a worker's death and after
 a resume with another worker count."""
 
-import io
 import os
 import signal
 
 import dsets
 import pytest
 import torch
-from dsets import assert_same
+from dsets import assert_same, round_trip
 
 from dpex import DpexDataLoader
 from dpex.server._rng import batch_seed, seed_batch
@@ -82,13 +81,6 @@ def test_an_epoch_with_a_worker_killed_mid_way_is_the_same():
     assert it.stats()["dropped"].get("restarted", 0) == 1
     loader.close()
     assert_same(want, got)
-
-
-def round_trip(state):
-    buf = io.BytesIO()
-    torch.save(state, buf, pickle_protocol=3)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 @ray_only
