@@ -202,12 +202,12 @@ def test_an_added_worker_not_ready_within_startup_timeout_is_given_up():
 
 
 def test_both_worker_groups_and_the_in_memory_one_have_what_the_driver_asks_for():
-    from dpex.client import _runtime, _workers
+    from dpex.client import _fleet_group, _runtime, _workers
 
     asked = {name for name in vars(_runtime.Workers) if not name.startswith("_")}
     asked |= set(_runtime.Workers.__annotations__)
     assert {"start", "restart", "add", "retire", "kill", "stop", "options", "actors"} <= asked
-    for group in (_workers.WorkerGroup, _workers.FleetGroup, Workers):
+    for group in (_workers.WorkerGroup, _fleet_group.FleetGroup, Workers):
         methods = {n for n in asked if callable(getattr(_runtime.Workers, n, None))}
         assert methods <= set(dir(group)), (group, methods - set(dir(group)))
 
@@ -231,13 +231,13 @@ class _Done:
 def test_a_guest_lost_with_its_host_is_moved_not_charged_a_restart(guest, error, lost):
     import ray
 
-    from dpex.client._workers import _report_exit
+    from dpex.client._workers import report_exit
 
     exc = (ray.exceptions.ActorDiedError() if error == "actor"
            else ray.exceptions.RayTaskError("serve", "traceback", RuntimeError("killed")))
     events: queue.SimpleQueue = queue.SimpleQueue()
     told: list = []
-    _report_exit(events, 2, 1, (lambda: told.append(1)) if guest else None)(_Done(exc))
+    report_exit(events, 2, 1, (lambda: told.append(1)) if guest else None)(_Done(exc))
     exit_ = events.get_nowait()
     assert (exit_.worker_id, exit_.incarnation, exit_.host_lost) == (2, 1, lost)
     assert told == ([1] if lost else [])  # the group hears its host died

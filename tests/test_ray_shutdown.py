@@ -22,7 +22,7 @@ import ray
 from ray._private.auto_init_hook import wrap_auto_init
 
 from dpex import _reaper
-from dpex.client import _warm, _workers
+from dpex.client import _fleet_group, _warm, _workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -177,7 +177,7 @@ def test_a_dropped_iterators_teardown_starts_no_ray(monkeypatch, keep_s):
 
 def test_a_fleet_iterators_teardown_starts_no_ray(monkeypatch):
     fake = FakeRay(monkeypatch, on_call=shut_down_at("cancel"))
-    group = _workers.FleetGroup("fleet", queue.SimpleQueue())
+    group = _fleet_group.FleetGroup("fleet", queue.SimpleQueue())
     group._calls = {0: "ref0", 1: "ref1"}
     group.stop()
     assert fake.started == []

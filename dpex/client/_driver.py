@@ -49,6 +49,7 @@ from dpex.client._events import (
     WorkerHello,
     WorkerProgress,
 )
+from dpex.client._fleet_group import FleetGroup
 from dpex.client._launch import LaunchPlan
 from dpex.client._rng_query import RngQuery
 from dpex.client._runtime import Runtime, Seeds, Shipment
@@ -64,7 +65,6 @@ from dpex.client._scheduler import (
 )
 from dpex.client._session import TrainerSession
 from dpex.client._worker_table import exit_error
-from dpex.client._workers import FleetGroup
 from dpex.errors import (
     DpexError,
     EventLoopError,

@@ -22,8 +22,9 @@ from dpex._security import wire_security
 from dpex._shipfile import Delivery
 from dpex._spec import PickledLoader, WorkerSpec
 from dpex.client._events import Handoff, LoopFailure
+from dpex.client._fleet_group import FleetGroup
 from dpex.client._session import TrainerSession
-from dpex.client._workers import FleetGroup, WorkerGroup
+from dpex.client._workers import WorkerGroup
 
 __all__ = ["Runtime", "Seeds", "Shipment", "Workers", "ship"]
 

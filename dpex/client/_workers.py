@@ -23,7 +23,6 @@ from typing import Any
 import ray
 
 from dpex import _cluster, _placement, _ray_guard
-from dpex._fleet_registry import choose_workers
 from dpex._shipfile import Delivery
 from dpex._spec import WorkerSpec
 from dpex.client import _hosts
@@ -31,7 +30,8 @@ from dpex.client._events import WorkerExit
 from dpex.client._hosts import host_options, new_host, options_key
 from dpex.client._warm import POOL
 
-__all__ = ["WorkerGroup", "FleetGroup", "WorkerProcess", "live_groups", "start_hosts", "start_hosts_early"]
+__all__ = ["WorkerGroup", "WorkerProcess", "deliver", "live_groups", "named_shipment", "report_exit",
+           "start_hosts", "start_hosts_early"]
 
 # Every WorkerGroup of this process (weak: a dropped iterator's group goes with it).
 # Only creation adds to it and nothing else changes it: a group's stop() may run in a
@@ -66,7 +66,7 @@ def holders() -> str:
     return "\n".join(lines) or "  (none in this process)"
 
 
-def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int,
+def report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int,
                  on_host_lost: Any = None) -> Any:
     """A done-callback for a ``serve`` call: its end (clean or not) as a WorkerExit. A
     hosted worker's session runs in a process of its own, whose death fails the call
@@ -86,7 +86,7 @@ def _report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int,
     return report
 
 
-def _shipment(spec: WorkerSpec, shipped: Any) -> WorkerSpec:
+def named_shipment(spec: WorkerSpec, shipped: Any) -> WorkerSpec:
     """``spec`` naming its shipped loader (its digest, else its object ref's id): a
     host's sessions of one loader fork from one copy of it."""
     hex_id = getattr(shipped, "hex", None)
@@ -95,7 +95,7 @@ def _shipment(spec: WorkerSpec, shipped: Any) -> WorkerSpec:
     return dataclasses.replace(spec, shipment=hex_id())
 
 
-def _deliver(spec: WorkerSpec, shipped: Any, node: str | None,
+def deliver(spec: WorkerSpec, shipped: Any, node: str | None,
              local: bool) -> tuple[WorkerSpec, Any]:
     """What a worker's ``serve`` call gets: one of the iterator's first workers on a host
     (``local``) on the trainer's node (``node``) reads the memfd while it is open
@@ -207,7 +207,7 @@ class WorkerGroup:
 
     def _serve(self, actor: Any, spec: WorkerSpec, shipped: Any,
                node: str | None, host: Any = None) -> None:
-        spec, shipped = _deliver(spec, shipped, node, host is not None and self._starting)
+        spec, shipped = deliver(spec, shipped, node, host is not None and self._starting)
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
         self._session_ids[spec.worker_id] = getattr(spec.wire, "session_id", None)
@@ -215,13 +215,13 @@ class WorkerGroup:
             self.warm.add(spec.worker_id)
         else:
             self.warm.discard(spec.worker_id)
-        ref = actor.serve.remote(_shipment(spec, shipped), shipped)
+        ref = actor.serve.remote(named_shipment(spec, shipped), shipped)
         self._calls[spec.worker_id] = ref
         lost = None if host is None else functools.partial(
             self._host_lost, host._actor_id.hex())
         # Ray fails this reference as soon as the actor dies (process killed, node
         # lost): liveness without polling.
-        ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
+        ref.future().add_done_callback(report_exit(self.events, spec.worker_id,
                                                     spec.incarnation, lost))
 
     def add(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
@@ -397,15 +397,15 @@ class WorkerProcess:
     or a session on a host, is alive until its iterator ends it (the host lives on for
     other sessions)."""
 
-    def __init__(self, group: WorkerGroup | FleetGroup, worker_id: int, actor: Any,
+    def __init__(self, group: Any, worker_id: int, actor: Any,
                  pid: int | None) -> None:
         self._group, self.worker_id, self._actor, self.pid = group, worker_id, actor, pid
 
     def is_alive(self) -> bool:
-        if isinstance(self._group, FleetGroup) or self._group.hosted:
-            if self._group.stopped:
-                return False
-        if isinstance(self._group, FleetGroup):
+        fleet = not isinstance(self._group, WorkerGroup)  # (a FleetGroup)
+        if (fleet or self._group.hosted) and self._group.stopped:
+            return False
+        if fleet:
             return True
         if not ray.is_initialized():
             return False
@@ -427,84 +427,3 @@ class WorkerProcess:
     def terminate(self) -> None:
         if isinstance(self._group, WorkerGroup) and ray.is_initialized():
             self._group.kill(self.worker_id)
-
-
-class FleetGroup:
-    """This iterator's sessions on the workers of a fleet (``worker_pool=NAME``).
-
-    Same interface as :class:`WorkerGroup`, but the actors belong to the fleet:
-    ``stop()`` cancels this iterator's ``serve`` calls and leaves the workers
-    running. A replacement session goes to the least busy worker that answers,
-    so a dead worker's share moves to the survivors while Ray restarts it; when none
-    answers (a fleet of one), the choice waits up to ``startup_timeout`` for Ray to
-    restart one.
-    """
-
-    def __init__(self, fleet: str, events: queue.SimpleQueue,
-                 startup_timeout: float = 120.0) -> None:
-        self.fleet = fleet
-        self.startup_timeout = startup_timeout
-        self.options = {"worker_pool": fleet}
-        self.events = events
-        self.actors: dict[int, Any] = {}
-        self._calls: dict[int, Any] = {}
-        self._stopped = False
-
-    def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
-        for spec, actor in zip(specs, self._choose(len(specs)), strict=True):
-            self._start_one(spec, shipped, actor)
-
-    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, actor: Any) -> None:
-        self.actors[spec.worker_id] = actor
-        spec, shipped = _deliver(spec, shipped, None, False)
-        ref = actor.serve.remote(_shipment(spec, shipped), shipped)
-        self._calls[spec.worker_id] = ref
-        ref.future().add_done_callback(_report_exit(self.events, spec.worker_id,
-                                                    spec.incarnation))
-
-    def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
-        if self._stopped:
-            return
-        self._cancel(spec.worker_id)
-        self._start_one(spec, shipped, self._choose(1)[0])
-
-    def kill(self, worker_id: int) -> None:
-        """End this iterator's session on a worker presumed broken (the fleet's process
-        lives on); its exit is reported and the iterator replaces it."""
-        self._cancel(worker_id)
-
-    def add(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
-        """One more session, on the least busy fleet worker."""
-        if not self._stopped:
-            self._start_one(spec, shipped, self._choose(1)[0])
-
-    def retire(self, worker_id: int) -> None:
-        """End a retired worker's session (the fleet worker lives on)."""
-        self._cancel(worker_id)
-        self.actors.pop(worker_id, None)
-
-    def _choose(self, n: int) -> list[Any]:
-        return choose_workers(self.fleet, n, wait_s=self.startup_timeout)
-
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
-
-    def placement_warning(self, waiting: list[int]) -> str | None:
-        return None  # the fleet's workers were placed by `dpex fleet start`
-
-    def _cancel(self, worker_id: int) -> None:
-        ref = self._calls.pop(worker_id, None)
-        if ref is not None:
-            try:  # (from stop(), maybe on the reaper thread: never starts Ray)
-                _ray_guard.cancel(ref)  # an async actor's task: its serve() ends, cleans up
-            except Exception:
-                pass  # already finished, its worker is gone, or Ray shut down
-
-    def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        if _ray_guard.ray_up():
-            for worker_id in list(self._calls):
-                self._cancel(worker_id)
