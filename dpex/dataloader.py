@@ -51,6 +51,9 @@ _LIGHTNING_KWARGS = "__pl_saved_kwargs"
 # there (with its check and doc) and a parameter of the same name and default below;
 # tests/test_layout.py checks the two agree.
 _DPEX_ARGUMENTS = tuple(f.name for f in dataclasses.fields(DpexConfig))
+# A stateful sampler's states kept for torch's iterators, which draw at most their fixed
+# window ahead of what they yielded: that window, and this margin.
+_TORCH_WINDOW_MARGIN = 4
 # torch's keyword arguments after ``dataset``, passed on by name.
 _TORCH_ARGUMENTS = ("batch_size", "shuffle", "sampler", "batch_sampler", "num_workers",
                     "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
@@ -323,8 +326,8 @@ class DpexDataLoader(DataLoader[T_co]):
         # A stateful sampler's states are kept for the batches drawn and not yet yielded:
         # dpex's iterator says which it yielded (its window follows scale_workers() and
         # the autoscaler); torch's iterators draw at most their fixed window ahead.
-        keep = None if self._distributed else prefetch_window(self.prefetch_factor or 0,
-                                                               self.num_workers) + 4
+        keep = None if self._distributed else prefetch_window(
+            self.prefetch_factor or 0, self.num_workers) + _TORCH_WINDOW_MARGIN
         return IndexView(self._torch_index_sampler, self._resume_plan, keep)
 
     @property
@@ -353,20 +356,18 @@ class DpexDataLoader(DataLoader[T_co]):
             # resumes in its place.
             plan = self._resume_plan = self._slot.unstarted_plan()
         iterator_rng = starting(plan, self.generator)
-        with replaying(self._resume_view(), plan, self._set_generator):
-            iterator = self._make_iterator()  # (if this fails, the plan stays for the next try)
+        view = self._resume_view()
+        with replaying(view, plan, self._set_generator):
+            iterator = self._make_iterator(view)  # (if this fails, the plan stays for the next try)
         self._resume_plan = None  # the new iterator's epoch holds it until it draws
-        if plan is not None:
-            plan.global_rng = None  # set once: made, the iterator holds the plan from here
         self._slot.hold(iterator, iterator_rng, strong=self.num_workers == 0,
                         owned=self._distributed)
         return iterator
 
-    def _make_iterator(self) -> _BaseDataLoaderIter:
+    def _make_iterator(self, view: LoaderView) -> _BaseDataLoaderIter:
         if not self._distributed:
             if self.num_workers == 0:
-                return in_trainer(self._resume_view(), self._resume_plan,
-                                  super()._get_iterator)
+                return in_trainer(view, self._resume_plan, super()._get_iterator)
             return super()._get_iterator()
         from dpex.client._iterator import RayDataLoaderIter
         from dpex.server._actor import DpexWorker

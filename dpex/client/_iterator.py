@@ -167,7 +167,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             data = super().__next__()
             drawing = self._sampler_iter
             if isinstance(drawing, Drawing):  # (what state_dict() may still ask for)
-                drawing.yielded(self._num_yielded + drawing.skipped)
+                drawing.yielded(drawing.yielded_of(self._num_yielded))
             return data
         except StopIteration:
             raise
@@ -242,8 +242,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         ended = self._epoch_end is not None
         if not isinstance(drawing, Drawing):
             return IteratorPosition(None, self._num_yielded, ended, iterator_rng)
-        yielded = self._num_yielded + drawing.skipped
-        ended = ended or (drawing.exhausted and yielded >= drawing.position)
+        yielded = drawing.yielded_of(self._num_yielded)
+        ended = ended or drawing.ended_at(yielded)
         return IteratorPosition(drawing, yielded, ended, iterator_rng,
                                 epochs_served=self.epochs_served, workers=self)
 

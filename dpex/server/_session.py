@@ -49,8 +49,6 @@ from dpex.server._trainer_state import leave_trainer_state
 __all__ = ["Session", "SessionServer"]
 
 _RNG_WAIT_S = 5.0  # how long an RNG_QUERY answer waits for the compute thread to get there
-# (pyzmq's enums cost µs per use)
-_POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
 _RESUME = object()
 _SKIP = object()
 

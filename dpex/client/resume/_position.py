@@ -62,7 +62,6 @@ def position_of(iterator: Any, iterator_rng: torch.Tensor | None) -> IteratorPos
     if not isinstance(drawing, Drawing):
         return IteratorPosition(None, iterator._num_yielded, False, iterator_rng)
     fetcher = getattr(iterator, "_dataset_fetcher", None)  # (num_workers=0 only)
-    yielded = iterator._num_yielded + drawing.skipped
-    ended = (drawing.exhausted and yielded >= drawing.position) or bool(
-        getattr(fetcher, "ended", False))
+    yielded = drawing.yielded_of(iterator._num_yielded)
+    ended = drawing.ended_at(yielded) or bool(getattr(fetcher, "ended", False))
     return IteratorPosition(drawing, yielded, ended, iterator_rng, fetcher=fetcher)

@@ -276,6 +276,15 @@ class Drawing:
                     "batch size differ from the run that saved it") from None
             self.position += 1
 
+    def yielded_of(self, num_yielded: int) -> int:
+        """Batches of the epoch yielded, when the iterator yielded ``num_yielded`` (the
+        batches a resume passed over are the epoch's too)."""
+        return num_yielded + self.skipped
+
+    def ended_at(self, yielded: int) -> bool:
+        """Whether the epoch ended with ``yielded`` batches yielded: none is left to draw."""
+        return self.exhausted and yielded >= self.position
+
     def sampler_state_at(self, position: int) -> Any:
         """A stateful sampler's state with ``position`` batches drawn (None if there is
         no stateful sampler, or that position is out of the recent window)."""
