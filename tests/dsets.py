@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import signal
@@ -232,6 +233,11 @@ def round_trip(state):
     torch.save(state, buf, pickle_protocol=3)
     buf.seek(0)
     return torch.load(buf, weights_only=True)
+
+
+def json_trip(state):
+    """What a JSON checkpoint gives back: ``json.loads(json.dumps(state))``."""
+    return json.loads(json.dumps(state))
 
 
 def assert_same(a, b, path: str = "batch") -> None:

@@ -1,7 +1,6 @@
 """Mid-epoch resume with dpex's workers: a resumed run yields exactly torch's
 uninterrupted batches, worker seeds and worker RNG draws included."""
 
-import json
 import os
 import signal
 import time
@@ -9,7 +8,7 @@ import time
 import dsets
 import pytest
 import torch
-from dsets import assert_same, round_trip
+from dsets import assert_same, json_trip, round_trip
 
 from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
 
@@ -87,7 +86,7 @@ def test_a_mid_epoch_state_through_json_resumes_exactly_rng_draws_included(datas
         def make():
             return shards_loader(DpexDataLoader, dsets.PositionedShards(), False,
                                  distribute_mode=True)
-    got, _ = interrupted(make, 1, 0, 3, trip=lambda state: json.loads(json.dumps(state)))
+    got, _ = interrupted(make, 1, 0, 3, trip=json_trip)
     assert_same([list(ref)], got, "epochs")
 
 

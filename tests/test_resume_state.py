@@ -10,7 +10,7 @@ import weakref
 import pytest
 import resumable
 import torch
-from dsets import round_trip
+from dsets import json_trip, round_trip
 from torch.utils.data import DataLoader
 
 from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
@@ -25,10 +25,6 @@ from dpex.client.resume import (
 from dpex.server._rng import RngRecorder
 
 
-def json_trip(state):
-    return json.loads(json.dumps(state))
-
-
 def leaves(value):
     """Every leaf of a plain state."""
     if isinstance(value, dict):
@@ -41,7 +37,7 @@ def leaves(value):
         yield value
 
 
-class Workers:
+class FakeWorkerStates:
     """What dpex's workers answer to state_dict(), without them (WorkerStates)."""
 
     def __init__(self, count=2, iterable=False):
@@ -74,7 +70,7 @@ def drawn(loader, k):
 def test_a_mid_epoch_state_with_dpex_workers_is_json_and_resumes_from_the_json_copy(shuffle):
     generator = torch.Generator().manual_seed(3) if shuffle else None
     loader = DataLoaderLike(shuffle=shuffle, generator=generator)
-    workers = Workers()
+    workers = FakeWorkerStates()
     position = IteratorPosition(drawn(loader, 5), 3, False, torch.get_rng_state(),
                                 workers=workers)
     saving = capture(loader._resume_view(), position, None)
@@ -127,7 +123,7 @@ def test_a_state_through_json_resumes_as_an_uninterrupted_run(dataset, cut):
     it = iter(loader)
     for batch in it if cut is None else (next(it) for _ in range(cut)):
         got.append(batch.tolist())
-    text = json.dumps(loader.state_dict())
+    text = json.dumps(loader.state_dict())  # (kept as text, as a JSON checkpoint)
     torch.manual_seed(0)
     resumed = new()
     resumed.load_state_dict(json.loads(text))
@@ -150,7 +146,7 @@ def test_an_ended_epoch_of_persistent_workers_keeps_its_base_seed_for_the_next()
     view = dataclasses.replace(view, num_workers=2, persistent=True)
     rng = torch.Generator().manual_seed(9).get_state()
     position = IteratorPosition(drawn(loader, 10), 10, True, rng, epochs_served=1,
-                                workers=Workers())
+                                workers=FakeWorkerStates())
     state = capture(view, position, None).resume_state()
     assert not state.mid_epoch and torch.equal(state.iterator_rng, rng)
     assert state.epochs_before == 1 and sorted(state.worker_rng) == [0, 1]
@@ -162,7 +158,7 @@ def test_an_iterable_datasets_position_is_its_workers_shards():
     loader = DpexDataLoader(resumable.IterStateful(), batch_size=2)
     view = loader._resume_view()
     view = dataclasses.replace(view, num_workers=2, distributed=True)
-    position = IteratorPosition(drawn(loader, 4), 3, False, None, workers=Workers())
+    position = IteratorPosition(drawn(loader, 4), 3, False, None, workers=FakeWorkerStates())
     plain = json_trip(capture(view, position, None).state())
     assert plain["iterable"]["next_worker"] == 1
     assert ResumeState.from_dict(plain).iterable["workers"][1] == {"taken": 3, "ended": False}
