@@ -18,6 +18,7 @@ from dpex._config import DpexConfig, prefetch_window
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 from dpex._stats import LoaderStats
+from dpex.client._live import LiveIterators
 from dpex.client.resume import (
     IndexView,
     IteratorSlot,
@@ -204,6 +205,7 @@ class DpexDataLoader(DataLoader[T_co]):
     def _reset_runtime_state(self) -> None:
         """What belongs to this process's live iterators, never to the configuration."""
         self._slot = IteratorSlot()  # the current iterator (see dpex/client/resume/_slot.py)
+        self._live = LiveIterators()  # the dpex iterators close() stops
         self._final_stats: dict = {}  # what the newest one to shut down reported last
         # (digest, object ref) of the last shipped dataset: an iterator whose pickled
         # dataset, collate_fn and worker_init_fn are the same bytes reuses the object
@@ -217,7 +219,7 @@ class DpexDataLoader(DataLoader[T_co]):
         """The configuration only (for ``mp.spawn``, Lightning's ``ddp_spawn``): live
         iterators, their workers and counters stay with the process that made them."""
         state = dict(self.__dict__)
-        for name in ("_iterator", "_slot", "_final_stats", "_shipped"):
+        for name in ("_iterator", "_slot", "_live", "_final_stats", "_shipped"):
             state.pop(name, None)
         return state
 
@@ -360,8 +362,9 @@ class DpexDataLoader(DataLoader[T_co]):
         with replaying(view, plan, self._set_generator):
             iterator = self._make_iterator(view)  # (if this fails, the plan stays for the next try)
         self._resume_plan = None  # the new iterator's epoch holds it until it draws
-        self._slot.hold(iterator, iterator_rng, strong=self.num_workers == 0,
-                        owned=self._distributed)
+        self._slot.hold(iterator, iterator_rng, strong=self.num_workers == 0)
+        if self._distributed:
+            self._live.add(iterator)
         return iterator
 
     def _make_iterator(self, view: LoaderView) -> _BaseDataLoaderIter:
@@ -433,7 +436,7 @@ class DpexDataLoader(DataLoader[T_co]):
         if not self._distributed:
             raise ValueError("scale_workers() changes dpex's workers (distribute_mode=True, "
                              "num_workers > 0); torch's own loader has a fixed count")
-        iterator = self._slot.newest
+        iterator = self._live.newest
         if iterator is not None and not iterator.closed:
             iterator.scale_to(n)
         elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -448,21 +451,20 @@ class DpexDataLoader(DataLoader[T_co]):
         (``dpex.stats_prometheus(loader)`` gives them in Prometheus' format). A
         finished iterator that was already collected reports what it counted when it
         shut down."""
-        iterator = self._slot.newest
+        iterator = self._live.newest
         return iterator.stats() if iterator is not None else dict(self._final_stats)
 
     def close(self) -> None:
         """Stop every worker, socket and thread this loader started (idempotent). A
         ``state_dict()`` after it still says where the newest iterator stood."""
         current = self._slot.current
-        if current in self._slot.owned() and not current.closed:
+        if current in self._live and not current.closed:
             try:
                 self._keep_position(current, ask_workers=True)
             except Exception:  # (in_order=False, say): close all the same
                 logger.info("dpex: close() keeps no position", exc_info=True)
-        for iterator in self._slot.owned():
+        for iterator in self._live.take_all():
             iterator._shutdown_workers()
-        self._slot.closed_all()
         self._iterator = None
 
     def __enter__(self) -> DpexDataLoader[T_co]:

@@ -14,6 +14,7 @@ from dsets import json_trip, round_trip
 from torch.utils.data import DataLoader
 
 from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
+from dpex.client._live import LiveIterators
 from dpex.client.resume import (
     IteratorPosition,
     IteratorSlot,
@@ -225,14 +226,17 @@ def test_the_slot_keeps_only_its_current_iterators_end():
         pass
 
     slot, old, new = IteratorSlot(), It(), It()
-    slot.hold(old, None, strong=False, owned=True)
-    slot.hold(new, None, strong=False, owned=True)
+    slot.hold(old, None, strong=False)
+    slot.hold(new, None, strong=False)
+    live = LiveIterators()  # (which of them close() stops: the loader's other record)
+    live.add(old)
+    live.add(new)
     kept = DataLoaderLike()._resume_position().resume_state()
     slot.keep(old, kept)  # an older iterator ended: not where the loader stands
     assert slot.kept is None
     slot.keep(new, kept)
     assert slot.kept is kept
-    assert set(slot.owned()) == {old, new}
+    assert live.newest is new and set(live.take_all()) == {old, new}
     slot.empty()  # load_state_dict(): nothing current, nothing kept
     assert slot.current is None and slot.kept is None
     slot.keep(new, kept)
@@ -302,7 +306,8 @@ def test_the_iterator_running_when_a_state_is_loaded_still_serves_stats_and_scal
                             worker_pool="prep")  # (a fleet's name: no Ray until iter())
     state = loader.state_dict()
     running = Running()
-    loader._slot.hold(running, None, strong=False, owned=True)
+    loader._slot.hold(running, None, strong=False)  # (what _get_iterator does)
+    loader._live.add(running)
     loader.load_state_dict(state)
     assert loader._slot.current is None and loader.state_dict() == state
     assert loader.stats() == {"batches": 7}

@@ -3,11 +3,9 @@
 The slot holds the loader's newest iterator (dpex's or torch's), the RNG state its base
 seed came from, and, once it ended in the middle of an epoch (closed, or dropped by a
 loop left with ``break``), the state it stood at, so ``state_dict()`` still says where
-it stood. It also knows every live dpex iterator of the loader, which ``close()`` stops.
-Only the current iterator's end is kept: an older one dropped later, or the one running
-when ``load_state_dict()`` emptied the slot, stands elsewhere. That one still runs, though:
-``stats()`` and ``scale_workers()`` reach the newest dpex iterator (:attr:`newest`),
-which emptying the slot leaves alone.
+it stood. Only the current iterator's end is kept: an older one dropped later, or the
+one running when ``load_state_dict()`` emptied the slot, stands elsewhere. (Which dpex
+iterators live, for ``close()`` and ``stats()``, is ``client._live``'s job.)
 """
 
 from __future__ import annotations
@@ -33,29 +31,17 @@ class IteratorSlot:
         self._held: Any = None
         self.iterator_rng: torch.Tensor | None = None
         self.kept: ResumeState | None = None
-        self._live: weakref.WeakSet = weakref.WeakSet()  # dpex's iterators, to close()
-        self._newest: weakref.ref | None = None  # the newest of them
 
-    def hold(self, iterator: Any, iterator_rng: torch.Tensor, *, strong: bool,
-             owned: bool) -> None:
-        """``iterator`` is the current one now; ``strong``: keep it alive; ``owned``: a
-        dpex iterator that close() stops."""
+    def hold(self, iterator: Any, iterator_rng: torch.Tensor, *, strong: bool) -> None:
+        """``iterator`` is the current one now; ``strong``: keep it alive."""
         self._ref, self._id = weakref.ref(iterator), id(iterator)
         self._held = iterator if strong else None
         self.iterator_rng, self.kept = iterator_rng, None
-        if owned:
-            self._live.add(iterator)
-            self._newest = weakref.ref(iterator)
 
     @property
     def current(self) -> Any:
         """The current iterator, while it lives (None after :meth:`empty`)."""
         return self._ref() if self._ref is not None else None
-
-    @property
-    def newest(self) -> Any:
-        """The newest live dpex iterator (``stats()``, ``scale_workers()``), current or not."""
-        return self._newest() if self._newest is not None else None
 
     def is_current(self, iterator: Any) -> bool:
         return self._id is not None and id(iterator) == self._id
@@ -79,10 +65,3 @@ class IteratorSlot:
         position = self.position()
         drawing = position.drawing if position is not None else None
         return drawing.plan if drawing is not None else None
-
-    def owned(self) -> list[Any]:
-        """Every live dpex iterator of the loader."""
-        return list(self._live)
-
-    def closed_all(self) -> None:
-        self._live.clear()
