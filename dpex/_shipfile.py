@@ -9,7 +9,11 @@ need for it: the trainer writes the pickle into a memfd (:class:`ShipmentFile`),
 host's fork base reads it once (``/proc/<trainer pid>/fd/<fd>``, checked by a random
 nonce at its start, as the shared-memory rings are: :mod:`dpex._shm`), and the
 trainer closes it once every worker of the iterator has started
-(:meth:`Delivery.release_local`): then nothing holds those pages.
+(:meth:`Delivery.release_local`). The trainer writes the shipment's parts
+(:class:`~dpex._framed.PickleParts`: the pickle, and its tensors' and arrays' buffers
+straight from their memory) and keeps no copy; a base maps the memfd copy-on-write
+(:func:`map_shipment`), so the dataset it unpickles is the memfd's pages, which live
+as long as the base maps them and no longer.
 
 A worker started later (a replacement, an added worker) on a host whose fork base
 holds the dataset needs no bytes. One that might not (another node, or after the
@@ -20,7 +24,9 @@ while it is open, else pickled again (:class:`Delivery`; a dataset changed since
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import mmap
 import os
 import secrets
 import threading
@@ -29,11 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ShipmentRef", "ShipmentFile", "ShipmentUnavailable", "Delivery", "read_shipment"]
+__all__ = ["ShipmentRef", "ShipmentFile", "ShipmentUnavailable", "Delivery", "map_shipment",
+           "read_shipment"]
 
 logger = logging.getLogger("dpex")
 
 _NONCE_BYTES = 16
+_DATA_AT = 64  # the shipment's offset in the memfd (its buffers stay 64-byte aligned)
 
 
 class ShipmentUnavailable(OSError):
@@ -56,14 +64,22 @@ class ShipmentFile:
     dropped)."""
 
     def __init__(self, data: Any, node_id: str) -> None:
-        fd = os.memfd_create(f"dpex-shipment-{os.getpid()}", os.MFD_CLOEXEC)
+        """``data``: a :class:`~dpex._framed.PickleParts` (its parts written in turn) or
+        bytes."""
+        fd = os.memfd_create(f"dpex-shipment-{os.getpid()}",
+                             os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self._finalizer = weakref.finalize(self, os.close, fd)
         nonce = secrets.token_bytes(_NONCE_BYTES)
-        view = memoryview(data).cast("B")
-        os.write(fd, nonce)
-        while view:  # (write() may take less than asked)
-            view = view[os.write(fd, view):]
-        self.ref = ShipmentRef(node_id, os.getpid(), fd, nonce, len(data))
+        size = 0
+        for part in getattr(data, "parts", (data,)):
+            view = memoryview(part).cast("B")
+            size += view.nbytes
+            while view:  # (write() may take less than asked)
+                view = view[os.pwrite(fd, view, _DATA_AT + size - view.nbytes):]
+        os.pwrite(fd, nonce, 0)
+        # A mapping of it never finds the file shorter (SIGBUS) or longer.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self.ref = ShipmentRef(node_id, os.getpid(), fd, nonce, size)
 
     @property
     def open(self) -> bool:
@@ -71,14 +87,13 @@ class ShipmentFile:
 
     def read(self) -> bytes:
         """The pickled loader (a copy), while open."""
-        return os.pread(self.ref.fd, self.ref.size, _NONCE_BYTES)
+        return os.pread(self.ref.fd, self.ref.size, _DATA_AT)
 
     def close(self) -> None:
         self._finalizer()
 
 
-def read_shipment(ref: ShipmentRef) -> bytes:
-    """Read the trainer's pickled loader through its memfd (in a host's fork base)."""
+def _open(ref: ShipmentRef) -> int:
     try:
         fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
@@ -88,12 +103,39 @@ def read_shipment(ref: ShipmentRef) -> bytes:
     try:
         if os.pread(fd, _NONCE_BYTES, 0) != ref.nonce:
             raise ShipmentUnavailable("the trainer's copy of the dataset is gone (nonce)")
-        data = os.pread(fd, ref.size, _NONCE_BYTES)
+        if os.fstat(fd).st_size != _DATA_AT + ref.size:
+            raise ShipmentUnavailable(f"the trainer's copy of the dataset holds "
+                                      f"{os.fstat(fd).st_size - _DATA_AT} bytes, not "
+                                      f"{ref.size}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_shipment(ref: ShipmentRef) -> bytes:
+    """The trainer's pickled loader read through its memfd (a copy)."""
+    fd = _open(ref)
+    try:
+        data = os.pread(fd, ref.size, _DATA_AT)
     finally:
         os.close(fd)
     if len(data) != ref.size:
         raise ShipmentUnavailable(f"read {len(data)} of the dataset's {ref.size} bytes")
     return data
+
+
+def map_shipment(ref: ShipmentRef) -> memoryview:
+    """The trainer's pickled loader as a writable copy-on-write mapping of its memfd
+    (no copy: what is unpickled from it shares its pages; a write makes a private
+    page). The mapping lives as long as a view of it does."""
+    fd = _open(ref)
+    try:
+        mapped = mmap.mmap(fd, _DATA_AT + ref.size, flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return memoryview(mapped)[_DATA_AT:]
 
 
 class Delivery:
@@ -133,10 +175,8 @@ class Delivery:
             return self._stored
 
     def _again(self) -> Any:
-        import hashlib
-
         data = self._repickle()
-        if hashlib.blake2b(data, digest_size=16).digest() != self.digest:
+        if data.digest() != self.digest:
             logger.warning(
                 "dpex: the dataset changed since this iterator started; the workers "
                 "started from now on (replacements, added workers) see it as it is now")

@@ -563,6 +563,39 @@ class Rows(Dataset):
         return self.data[i].clone()
 
 
+class WhereHeld(Dataset):
+    """A tensor and an array the dataset holds in memory; item ``i`` is
+    ``[i, tensor's pages are the trainer's memfd, array's pages are, tensor + array
+    at i]``, after writing to both (a worker's dataset is its own to change)."""
+
+    def __init__(self, n: int = 20_000) -> None:  # (out of band: over 64 KiB each)
+        import numpy as np
+
+        self.tensor = torch.zeros(n, dtype=torch.float32)
+        self.array = np.zeros(n, dtype=np.float64)
+        self._where: tuple[bool, bool] | None = None  # (read once per worker)
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    @staticmethod
+    def _in_memfd(address: int) -> bool:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= address < hi:
+                    return "memfd:dpex-shipment" in line
+        return False
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self._where is None:
+            self._where = (self._in_memfd(self.tensor.untyped_storage().data_ptr()),
+                           self._in_memfd(self.array.ctypes.data))
+        self.tensor[i] += i
+        self.array[i] += 1
+        return torch.tensor([i, *self._where, float(self.tensor[i]) + float(self.array[i])])
+
+
 def open_memfds(name: str) -> list[str]:
     """This process's open memfds whose name contains ``name`` (their /proc links)."""
     out = []

@@ -119,3 +119,22 @@ def test_the_trainer_keeps_no_copy_of_the_dataset_once_its_workers_started():
     assert len([next(second), *second]) == 128
     assert loader.stats()["dataset_reused"] and loader._shipped[1] is None
     loader.close()
+
+
+@pytest.mark.parametrize("remote_args", [None, {"num_cpus": 1}], ids=["host", "reserving"])
+def test_a_hosts_dataset_is_the_trainers_memfd_mapped_and_each_worker_may_write_it(
+        remote_args):
+    """On the trainer's node a host's fork base maps the shipment copy-on-write: the
+    dataset's tensors and arrays are the memfd's pages (before, an unpickled copy), and
+    a worker writing to its copy changes only its own. A worker that reserves resources
+    (an actor of its own, from the object store) gets a private, writable copy."""
+    dataset = dsets.WhereHeld()
+    loader = DpexDataLoader(dataset, batch_size=500, num_workers=1, distribute_mode=True,
+                            ray_remote_args=remote_args)
+    rows = torch.cat(list(loader))
+    assert torch.equal(rows[:, 0], torch.arange(len(dataset), dtype=torch.float32))
+    mapped = remote_args is None
+    assert bool(rows[:, 1].all()) is mapped and bool(rows[:, 2].all()) is mapped
+    assert torch.equal(rows[:, 3], rows[:, 0] + 1)  # each write landed, once
+    assert float(dataset.tensor.sum()) == 0.0 and dataset.array.sum() == 0.0
+    loader.close()

@@ -6,8 +6,8 @@ import logging
 import pytest
 from dsets import open_memfds
 
+from dpex._framed import PickleParts
 from dpex._shipfile import Delivery, ShipmentFile, ShipmentUnavailable, read_shipment
-from dpex._spec import PickledLoader
 
 NODE = "a" * 56
 
@@ -36,11 +36,11 @@ class Store:
         return f"ref{len(self.puts)}"
 
 
-def delivery(data=b"pickled", repickle=lambda: b"pickled", stored=None):
+def delivery(data=b"pickled", repickle=lambda: PickleParts([b"pickled"]), stored=None):
     store, told = Store(), []
-    d = Delivery(PickledLoader(data, refs=("r1",)), NODE, __import__("hashlib").blake2b(
-        data, digest_size=16).digest(), stored=stored, put=store.put, repickle=repickle,
-        on_stored=told.append)
+    shipment = PickleParts([data[:3], data[3:]], refs=("r1",))
+    d = Delivery(shipment, NODE, shipment.digest(), stored=stored, put=store.put,
+                 repickle=repickle, on_stored=told.append)
     return d, store, told
 
 
@@ -61,7 +61,7 @@ def test_the_loaders_stored_copy_is_reused_and_none_is_put():
 
 def test_after_release_the_loader_is_pickled_again_and_a_change_is_logged(caplog):
     calls = []
-    d, store, _ = delivery(repickle=lambda: calls.append(1) or b"changed")
+    d, store, _ = delivery(repickle=lambda: calls.append(1) or PickleParts([b"changed"]))
     before = memfds()
     d.release_local()
     assert len(memfds()) == len(before) - 1  # the trainer holds no copy any more

@@ -8,7 +8,6 @@ driver asks of a worker group, whoever runs the workers.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -93,7 +92,9 @@ class Runtime:
 
 def _store(data: Any, refs: tuple) -> Any:
     """The object store's copy of a pickled loader (see :class:`PickledLoader`)."""
-    return ray.put(data if isinstance(data, PickledLoader) else PickledLoader(data, refs=refs))
+    if isinstance(data, PickledLoader):
+        return ray.put(data)
+    return ray.put(PickledLoader(*getattr(data, "parts", (data,)), refs=refs))
 
 
 def ship(loader: Any, shipped: Any, repickle: Callable[[], Any]) -> tuple[Delivery, bool,
@@ -106,7 +107,7 @@ def ship(loader: Any, shipped: Any, repickle: Callable[[], Any]) -> tuple[Delive
     served again), and its own digest (hosts hold one unpickled copy per digest: a
     loader Lightning rebuilds with the same dataset finds it there). ``repickle()``:
     the loader pickled again, for a worker started after the memfd was closed."""
-    digest = hashlib.blake2b(shipped, digest_size=16).digest()
+    digest = shipped.digest()
     previous = getattr(loader, "_shipped", None)
     reused = previous is not None and previous[0] == digest
     loader._shipped = (digest, previous[1] if reused else None)

@@ -49,7 +49,7 @@ from multiprocessing import connection, reduction, spawn
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dpex._shipfile import ShipmentRef, read_shipment
+from dpex._shipfile import ShipmentRef, map_shipment
 
 __all__ = ["ForkBase", "PRELOADED", "BaseUnsafe", "preloaded", "enter_base_state"]
 
@@ -134,7 +134,7 @@ def _base_main(address: str, alive: Connection, link: Connection,
     before = set(sys.modules)
     try:
         source = link.recv()  # the trainer's memfd (dpex._shipfile), or bytes to follow
-        _LOADED = load(read_shipment(source) if source is not None else link.recv_bytes())
+        _LOADED = load(map_shipment(source) if source is not None else link.recv_bytes())
     except BaseException as exc:  # noqa: BLE001 - each session raises it as its own
         _LOADED = exc
     gc.collect()

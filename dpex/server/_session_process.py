@@ -29,7 +29,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from dpex._shipfile import ShipmentRef, read_shipment
+from dpex._shipfile import ShipmentRef, map_shipment
 from dpex.server._fork_base import PRELOADED, ForkBase, enter_base_state, libraries_since
 
 if TYPE_CHECKING:
@@ -268,9 +268,9 @@ class SessionProcess:
             raise self._outcome
 
 
-def _read(ref: ShipmentRef) -> bytes:
+def _read(ref: ShipmentRef) -> memoryview:
     try:
-        return read_shipment(ref)
+        return map_shipment(ref)
     except OSError as exc:
         from dpex.errors import WorkerStartupError
 

@@ -12,15 +12,15 @@ import random
 import time
 from typing import Any
 
-import cloudpickle
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import IterDataPipe, _DatasetKind
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
+from dpex import _framed
 from dpex._protocol import Kind, ProtocolError
-from dpex._shipfile import ShipmentRef, read_shipment
+from dpex._shipfile import ShipmentRef, map_shipment
 from dpex._shm import WorkerRing, collating_into
 from dpex._spec import (
     Parcel,
@@ -69,7 +69,7 @@ def _load(shipped: Any) -> ShippedLoader:
         return preloaded()
     if isinstance(shipped, ShipmentRef):  # the trainer's memfd, on its node
         try:
-            shipped = read_shipment(shipped)
+            shipped = map_shipment(shipped)
         except OSError as exc:
             raise WorkerStartupError(f"cannot read the shipped dataset: {exc}") from exc
     if isinstance(shipped, Parcel):
@@ -78,7 +78,7 @@ def _load(shipped: Any) -> ShippedLoader:
             raise WorkerStartupError("the shipped loader was unpickled once already")
     shipped = enter_trainer_state(shipped)  # the trainer's directory and env first
     try:
-        return cloudpickle.loads(shipped)
+        return _framed.loads(shipped)
     except ModuleNotFoundError as exc:
         raise WorkerStartupError(
             f"cannot unpickle the dataset: this worker cannot import module {exc.name!r}, "
