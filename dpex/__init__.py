@@ -6,6 +6,7 @@ torch's DataLoader would, computed by Ray actors and streamed over ZeroMQ.
 
 from dpex._autoscale import Autoscale
 from dpex._config import DpexConfig
+from dpex._packed import PackedStrings
 from dpex._stats import LoaderStats, stats_prometheus
 from dpex._version import __version__
 from dpex.client._warm import release as release_warm_workers
@@ -34,6 +35,7 @@ __all__ = [
     "DpexDataLoader",
     "Autoscale",
     "DpexConfig",
+    "PackedStrings",
     "LoaderStats",
     "stats_prometheus",
     "release_warm_workers",

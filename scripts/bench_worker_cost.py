@@ -5,7 +5,8 @@ torch's DataLoader (its default start method, fork, as a user gets it) and dpex
 timed apart) each load a dataset that holds ``--mib`` MiB in the trainer's memory,
 in three kinds: a torch tensor (rows of 64 float32), a NumPy array (the same), and a
 Python list of short strings (16-40 characters, as many as make the process's RSS
-grow by ``--mib`` when it builds them; each item becomes a 40-byte uint8 tensor).
+grow by ``--mib`` when it builds them; each item becomes a 40-byte uint8 tensor);
+and a fourth, ``packed``: the same strings as ``dpex.PackedStrings`` (two arrays).
 ``persistent_workers=True``, ``batch_size=64``, in order, ``--batches`` batches taken.
 Every (dataset, workers, loader) runs in a fresh process of its own, so that each
 memory figure starts clean; runs alternate torch, dpex, dpex, torch, ...
@@ -63,7 +64,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("tensor", "numpy", "strings")
+KINDS = ("tensor", "numpy", "strings", "packed")
 LOADERS = ("torch", "dpex")
 ROW = 64  # float32 per row of the tensor and NumPy datasets (256 bytes)
 BATCH = 64
@@ -151,6 +152,10 @@ def build(kind: str, mib: int):
             start = len(data)
             data.extend(f"{i:08d}-" + "abcdefghijklmnopqrstuvwxyzABCDEFG"[: 7 + i * 7919 % 25]
                         for i in range(start, start + chunk))
+        if kind == "packed":  # the same strings as dpex.PackedStrings (two arrays)
+            from dpex import PackedStrings
+
+            data = PackedStrings(data)
     return data, rss_mib() - before
 
 
