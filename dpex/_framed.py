@@ -48,14 +48,21 @@ OUT_OF_BAND_BYTES = 64 * 1024  # smaller buffers stay in the pickle
 
 class PickleParts:
     """A pickled loader as its parts (bytes-like, not joined) and the Ray object refs
-    pickled in it; ``nbytes`` in all."""
+    pickled in it; ``nbytes`` in all, ``out_of_band`` of them its buffers'."""
 
-    __slots__ = ("parts", "nbytes", "refs")
+    __slots__ = ("parts", "nbytes", "refs", "out_of_band")
 
-    def __init__(self, parts: Iterable[Any], refs: Iterable[Any] = ()) -> None:
+    def __init__(self, parts: Iterable[Any], refs: Iterable[Any] = (),
+                 out_of_band: int = 0) -> None:
         self.parts = [memoryview(part).cast("B") for part in parts]
         self.nbytes = sum(part.nbytes for part in self.parts)
         self.refs = tuple(refs)
+        self.out_of_band = out_of_band
+
+    @property
+    def in_band(self) -> int:
+        """The bytes that unpickling turns into objects (the rest it maps as they are)."""
+        return self.nbytes - self.out_of_band
 
     def digest(self) -> bytes:
         """16 bytes that change when any byte does (XXH3-128)."""

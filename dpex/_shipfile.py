@@ -15,11 +15,20 @@ straight from their memory) and keeps no copy; a base maps the memfd copy-on-wri
 (:func:`map_shipment`), so the dataset it unpickles is the memfd's pages, which live
 as long as the base maps them and no longer.
 
-A worker started later (a replacement, an added worker) on a host whose fork base
-holds the dataset needs no bytes. One that might not (another node, or after the
-memfd was closed) gets the object store's copy, put when first needed: from the memfd
-while it is open, else pickled again (:class:`Delivery`; a dataset changed since
-``iter()`` is logged, and the workers that start from it see it as it is now).
+Since a base maps the memfd, its pages are the dataset's own wherever the shipment is
+mostly buffers (tensors, arrays, :class:`~dpex.PackedStrings`): keeping the memfd open
+then costs the node nothing more. So a delivery whose in-band pickle is at most
+:data:`KEEP_IN_BAND_BYTES` keeps it for the iterator's life (:attr:`Delivery.kept`),
+and every worker later started on a host on this node (a replacement, an added
+worker, a new host after one was killed) takes it from there, with no pickling and
+nothing put in Ray's object store. One with a larger pickle (a list of millions of
+strings: the memfd would be a second copy beside the objects the base made of it) is
+closed once every first worker has started, as before.
+
+A worker that cannot use the memfd (another node, or after it was closed) gets the
+object store's copy, put when first needed: from the memfd while it is open, else
+pickled again (:class:`Delivery`; a dataset changed since ``iter()`` is logged, and
+the workers that start from it see it as it is now).
 """
 
 from __future__ import annotations
@@ -35,13 +44,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ShipmentRef", "ShipmentFile", "ShipmentUnavailable", "Delivery", "map_shipment",
-           "read_shipment"]
+__all__ = ["KEEP_IN_BAND_BYTES", "ShipmentRef", "ShipmentFile", "ShipmentUnavailable",
+           "Delivery", "map_shipment", "read_shipment"]
 
 logger = logging.getLogger("dpex")
 
 _NONCE_BYTES = 16
 _DATA_AT = 64  # the shipment's offset in the memfd (its buffers stay 64-byte aligned)
+# The most in-band pickle a delivery keeps its memfd open for (see the docstring).
+KEEP_IN_BAND_BYTES = 16 * 1024 * 1024
 
 
 class ShipmentUnavailable(OSError):
@@ -153,6 +164,9 @@ class Delivery:
         self.node_id = node_id
         self.digest = digest
         self._refs = tuple(getattr(data, "refs", ()))  # the Ray refs pickled in it
+        in_band = getattr(data, "in_band", None)
+        # The memfd stays open until the delivery is dropped (the iterator ends).
+        self.kept = in_band is not None and in_band <= KEEP_IN_BAND_BYTES
         self._file: ShipmentFile | None = ShipmentFile(data, node_id)
         self._stored = stored
         self._put, self._repickle, self._on_stored = put, repickle, on_stored
@@ -183,7 +197,9 @@ class Delivery:
         return data
 
     def release_local(self) -> None:
-        """Close the memfd: every worker that needed it has read it."""
+        """Close the memfd: every first worker has read it (unless :attr:`kept`)."""
+        if self.kept:
+            return
         with self._lock:
             file, self._file = self._file, None
         if file is not None:

@@ -182,7 +182,8 @@ class WorkerSpec:
     # The shipment this one replaces (its loader's dataset changed): a host keeps no
     # fork base of it idle.
     replaces: str | None = None
-    # One of the iterator's first workers on a host on the trainer's node, while the
-    # memfd is open: the trainer's memfd holding the pickled loader (then the serve
-    # call carries no copy of it; dpex._shipfile).
+    # A worker on a host on the trainer's node while the memfd is open (one of the
+    # iterator's first workers, or any later one where the delivery keeps it): the
+    # trainer's memfd holding the pickled loader (then the serve call carries no copy
+    # of it; dpex._shipfile).
     local: ShipmentRef | None = None

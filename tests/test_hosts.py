@@ -73,8 +73,9 @@ def test_a_killed_host_loses_its_workers_which_move_to_a_new_host_uncharged():
     torch.manual_seed(6)
     expected = list(dsets.torch_loader(dataset, **kw))
     torch.manual_seed(6)
-    it = iter(DpexDataLoader(dataset, distribute_mode=True, timeout=60,
-                             max_worker_restarts=0, **kw))
+    loader = DpexDataLoader(dataset, distribute_mode=True, timeout=60,
+                            max_worker_restarts=0, **kw)
+    it = iter(loader)
     got = [next(it) for _ in range(5)]
     info = dict(ready(it, 2))
     host = info[0]["pid"]
@@ -86,6 +87,9 @@ def test_a_killed_host_loses_its_workers_which_move_to_a_new_host_uncharged():
     assert stats["dropped"]["moved"] == 2, stats
     assert {w["pid"] for w in stats["workers"].values()} != {host}
     assert dsets.wait_gone(tree, 20.0) == []
+    # The new host took the dataset from the trainer's memfd, kept open for this
+    # iterator: nothing was pickled again into Ray's object store (before: a put).
+    assert loader._shipped[1] is None
 
 
 def test_loaders_iterating_at_once_share_their_nodes_host():
@@ -102,24 +106,37 @@ def test_loaders_iterating_at_once_share_their_nodes_host():
     assert_same(list(dsets.torch_loader(dsets.Squares(40), batch_size=2)), [first, *it])
 
 
-def test_the_trainer_keeps_no_copy_of_the_dataset_once_its_workers_started():
+@pytest.mark.parametrize("kept", [True, False], ids=["buffers", "large-pickle"])
+def test_the_trainer_keeps_no_copy_of_the_dataset_once_its_workers_started(kept, monkeypatch):
     """On the trainer's node the pickled loader crosses through a memfd, which the host's
-    fork base reads once; the trainer closes it once every worker said hello. Nothing
-    goes to Ray's object store (whose pages stay written for the Ray instance's life),
-    and the next iterator of the unchanged dataset forks from the base it left."""
+    fork base maps. A dataset of buffers (a tensor) is those pages in the base: the
+    trainer keeps the memfd open for its iterator (replacements and new hosts take it
+    from there) at no cost. One whose pickle is large (a list of millions of strings:
+    here the limit is set to 0) has the memfd closed once every worker said hello.
+    Nothing goes to Ray's object store (whose pages stay written for the Ray
+    instance's life), and the next iterator of the unchanged dataset forks from the
+    base it left."""
     from test_shipfile import memfds
 
+    from dpex import _shipfile
+
+    if not kept:
+        monkeypatch.setattr(_shipfile, "KEEP_IN_BAND_BYTES", 0)
     loader = DpexDataLoader(dsets.Rows(8), batch_size=64, num_workers=2, distribute_mode=True)
     it = iter(loader)
     next(it)
-    ready(it, 2)
-    assert memfds() == [] and loader._shipped[1] is None  # no memfd, no stored copy
+    info = ready(it, 2)
+    assert loader._shipped[1] is None  # no stored copy
+    if kept:  # the trainer's one memfd, and its pages are what the workers map
+        assert len(memfds()) == 1
+        with open(f"/proc/{info[0]['session_pid']}/maps") as f:
+            assert f"dpex-shipment-{os.getpid()}" in f.read()
+    else:
+        assert memfds() == []
     assert len(list(it)) == 127  # (8 MiB: 8,192 rows of 1 KiB)
     second = iter(loader)
     assert len([next(second), *second]) == 128
     assert loader.stats()["dataset_reused"] and loader._shipped[1] is None
-    loader.close()
-
 
 @pytest.mark.parametrize("remote_args", [None, {"num_cpus": 1}], ids=["host", "reserving"])
 def test_a_hosts_dataset_is_the_trainers_memfd_mapped_and_each_worker_may_write_it(

@@ -6,6 +6,7 @@ import logging
 import pytest
 from dsets import open_memfds
 
+from dpex import _shipfile as shipfile
 from dpex._framed import PickleParts
 from dpex._shipfile import Delivery, ShipmentFile, ShipmentUnavailable, read_shipment
 
@@ -36,14 +37,44 @@ class Store:
         return f"ref{len(self.puts)}"
 
 
-def delivery(data=b"pickled", repickle=lambda: PickleParts([b"pickled"]), stored=None):
+def delivery(data=b"pickled", repickle=lambda: PickleParts([b"pickled"]), stored=None,
+             out_of_band=0):
     store, told = Store(), []
-    shipment = PickleParts([data[:3], data[3:]], refs=("r1",))
+    shipment = PickleParts([data[:3], data[3:]], refs=("r1",), out_of_band=out_of_band)
     d = Delivery(shipment, NODE, shipment.digest(), stored=stored, put=store.put,
                  repickle=repickle, on_stored=told.append)
     return d, store, told
 
 
+@pytest.fixture
+def closing(monkeypatch):
+    """Deliveries close their memfd once the first workers started (a large pickle)."""
+    monkeypatch.setattr(shipfile, "KEEP_IN_BAND_BYTES", 0)
+
+
+def test_a_delivery_of_buffers_keeps_its_memfd_until_it_is_dropped():
+    """Mostly buffers (in-band pickle up to KEEP_IN_BAND_BYTES): the memfd is the base's
+    dataset pages, so it stays open for later workers, and nothing is stored."""
+    d, store, _ = delivery(b"p" * 100, out_of_band=90)
+    assert d.kept
+    before = len(memfds())
+    d.release_local()  # every first worker said hello
+    assert d.local is not None and read_shipment(d.local) == b"p" * 100
+    assert store.puts == [] and len(memfds()) == before
+    large, _, _ = delivery(b"p" * 100, out_of_band=0)
+    assert large.kept  # 100 bytes in band: under the limit
+    del d, large
+    assert len(memfds()) == before - 1
+
+
+def test_a_delivery_with_a_pickle_over_the_limit_is_not_kept(monkeypatch):
+    monkeypatch.setattr(shipfile, "KEEP_IN_BAND_BYTES", 50)
+    assert not delivery(b"p" * 100, out_of_band=49)[0].kept  # 51 bytes in band
+    assert delivery(b"p" * 100, out_of_band=50)[0].kept
+    assert not Delivery(b"raw bytes", NODE, b"", put=None, repickle=None).kept
+
+
+@pytest.mark.usefixtures("closing")
 def test_nothing_is_stored_unless_a_worker_needs_the_object_store():
     d, store, told = delivery()
     assert read_shipment(d.local) == b"pickled" and store.puts == []
@@ -59,6 +90,7 @@ def test_the_loaders_stored_copy_is_reused_and_none_is_put():
     d.release_local()
 
 
+@pytest.mark.usefixtures("closing")
 def test_after_release_the_loader_is_pickled_again_and_a_change_is_logged(caplog):
     calls = []
     d, store, _ = delivery(repickle=lambda: calls.append(1) or PickleParts([b"changed"]))

@@ -43,7 +43,7 @@ class FleetGroup:
 
     def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, actor: Any) -> None:
         self.actors[spec.worker_id] = actor
-        spec, shipped = deliver(spec, shipped, None, False)
+        spec, shipped = deliver(spec, shipped, None, False, False)
         ref = actor.serve.remote(named_shipment(spec, shipped), shipped)
         self._calls[spec.worker_id] = ref
         ref.future().add_done_callback(report_exit(self.events, spec.worker_id,

@@ -214,4 +214,5 @@ def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None, *,
         raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc
     state = capture(fleet=fleet) if state is None else state
     _say_environment(state)
-    return PickleParts(_framed.frame(wrap(state, b""), loader_bytes, buffers), refs=refs)
+    return PickleParts(_framed.frame(wrap(state, b""), loader_bytes, buffers), refs=refs,
+                       out_of_band=sum(buffer.raw().nbytes for buffer in buffers))

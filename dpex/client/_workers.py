@@ -95,18 +95,20 @@ def named_shipment(spec: WorkerSpec, shipped: Any) -> WorkerSpec:
     return dataclasses.replace(spec, shipment=hex_id())
 
 
-def deliver(spec: WorkerSpec, shipped: Any, node: str | None,
-             local: bool) -> tuple[WorkerSpec, Any]:
-    """What a worker's ``serve`` call gets: one of the iterator's first workers on a host
-    (``local``) on the trainer's node (``node``) reads the memfd while it is open
-    (nothing else is sent), before it says HELLO (once every first worker did, the
-    trainer closes it); any other worker (a replacement, an added worker, one on
-    another node or of its own actor) gets the object store's copy
-    (:class:`~dpex._shipfile.Delivery`)."""
+def deliver(spec: WorkerSpec, shipped: Any, node: str | None, hosted: bool,
+            starting: bool) -> tuple[WorkerSpec, Any]:
+    """What a worker's ``serve`` call gets: a worker on a host (``hosted``) on the
+    trainer's node (``node``) reads the memfd while it is open (nothing else is sent):
+    one of the iterator's first workers (``starting``) before it says HELLO (once every
+    first worker did, the trainer closes it), any later one too where the delivery
+    keeps it (:attr:`~dpex._shipfile.Delivery.kept`); any other worker (one on another
+    node or of its own actor, a later one where it is closed) gets the object store's
+    copy (:class:`~dpex._shipfile.Delivery`)."""
     if not isinstance(shipped, Delivery):
         return spec, shipped  # (an object ref as is: a test's, or a fleet's)
     # (``None``: the cluster has one node, which the trainer runs on)
-    if local and node in (None, shipped.node_id) and shipped.local is not None:
+    if hosted and (starting or shipped.kept) and node in (None, shipped.node_id) \
+            and shipped.local is not None:
         return dataclasses.replace(spec, local=shipped.local), None
     return spec, shipped.object_ref()
 
@@ -207,7 +209,7 @@ class WorkerGroup:
 
     def _serve(self, actor: Any, spec: WorkerSpec, shipped: Any,
                node: str | None, host: Any = None) -> None:
-        spec, shipped = deliver(spec, shipped, node, host is not None and self._starting)
+        spec, shipped = deliver(spec, shipped, node, host is not None, self._starting)
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
         self._session_ids[spec.worker_id] = getattr(spec.wire, "session_id", None)
