@@ -21,7 +21,9 @@ then costs the node nothing more. So a delivery whose in-band pickle is at most
 :data:`KEEP_IN_BAND_BYTES` keeps it for the iterator's life (:attr:`Delivery.kept`),
 and every worker later started on a host on this node (a replacement, an added
 worker, a new host after one was killed) takes it from there, with no pickling and
-nothing put in Ray's object store. One with a larger pickle (a list of millions of
+nothing put in Ray's object store. (Not a later iterator's of the same bytes: its
+hosts fork from the base the first one made, which maps that one's memfd, so a new
+memfd is closed once the first workers started, as a large pickle's is.) One with a larger pickle (a list of millions of
 strings: the memfd would be a second copy beside the objects the base made of it) is
 closed once every first worker has started, as before.
 
@@ -154,19 +156,22 @@ class Delivery:
 
     def __init__(self, data: Any, node_id: str, digest: bytes, *, stored: Any = None,
                  put: Callable[[Any, tuple], Any], repickle: Callable[[], Any],
-                 on_stored: Callable[[Any], None] = lambda ref: None) -> None:
+                 on_stored: Callable[[Any], None] = lambda ref: None,
+                 keep: bool = True) -> None:
         """``stored``: the object store's copy of the same bytes, if the loader has one;
         ``put(data, refs)``: stores the bytes with the Ray refs pickled in them
         (:class:`~dpex._spec.PickledLoader` in ``ray.put``); ``repickle()``: the loader
         pickled again, once the memfd
         is closed; ``on_stored(ref)``: told of a copy put here (the loader keeps it for
-        its next iterator)."""
+        its next iterator); ``keep``: the memfd may be kept (not for the loader's
+        previous shipment again: its hosts' bases map the memfd they were made from, and
+        this one would be a second copy)."""
         self.node_id = node_id
         self.digest = digest
         self._refs = tuple(getattr(data, "refs", ()))  # the Ray refs pickled in it
         in_band = getattr(data, "in_band", None)
         # The memfd stays open until the delivery is dropped (the iterator ends).
-        self.kept = in_band is not None and in_band <= KEEP_IN_BAND_BYTES
+        self.kept = keep and in_band is not None and in_band <= KEEP_IN_BAND_BYTES
         self._file: ShipmentFile | None = ShipmentFile(data, node_id)
         self._stored = stored
         self._put, self._repickle, self._on_stored = put, repickle, on_stored

@@ -72,6 +72,8 @@ def test_a_delivery_with_a_pickle_over_the_limit_is_not_kept(monkeypatch):
     assert not delivery(b"p" * 100, out_of_band=49)[0].kept  # 51 bytes in band
     assert delivery(b"p" * 100, out_of_band=50)[0].kept
     assert not Delivery(b"raw bytes", NODE, b"", put=None, repickle=None).kept
+    again = PickleParts([b"p" * 100], out_of_band=100)  # the previous iterator's bytes
+    assert not Delivery(again, NODE, b"", put=None, repickle=None, keep=False).kept
 
 
 @pytest.mark.usefixtures("closing")

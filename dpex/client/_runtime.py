@@ -118,7 +118,7 @@ def ship(loader: Any, shipped: Any, repickle: Callable[[], Any]) -> tuple[Delive
 
     delivery = Delivery(shipped, ray.get_runtime_context().get_node_id(), digest,
                         stored=loader._shipped[1], put=_store, repickle=repickle,
-                        on_stored=stored)
+                        on_stored=stored, keep=not reused)
     replaced = previous[0].hex() if previous is not None and not reused else None
     return delivery, reused, replaced, digest.hex()
 
