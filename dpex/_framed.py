@@ -38,12 +38,17 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["ALIGN", "MAGIC", "OUT_OF_BAND_BYTES", "PickleParts", "frame", "loads"]
+__all__ = ["ALIGN", "LEND_IN_BAND_BYTES", "MAGIC", "OUT_OF_BAND_BYTES", "PickleParts", "frame",
+           "loads"]
 
 MAGIC = b"DPEXOOB1"
 _LENGTH = struct.Struct("<I")
 ALIGN = 64  # each buffer's offset in the shipment (and in the memfd's data)
 OUT_OF_BAND_BYTES = 64 * 1024  # smaller buffers stay in the pickle
+# The largest in-band pickle whose source lends its buffers: a view keeps its whole
+# source alive (the memfd, pickle included), so past this the buffers are copied and
+# the source can go once unpickled (a list of millions of strings beside an array).
+LEND_IN_BAND_BYTES = 16 * 1024 * 1024
 
 
 class PickleParts:
@@ -114,7 +119,11 @@ def frame(prefix: bytes, data: bytes, buffers: list[Any]) -> list[Any]:
 def loads(data: Any) -> Any:
     """Unpickle a loader's pickle, framed (see the module's docstring) or plain. A
     writable ``data`` (the memfd mapped copy-on-write) lends its buffers to what is
-    rebuilt; a read-only one has each buffer copied once."""
+    rebuilt, where its pickle is at most :data:`LEND_IN_BAND_BYTES`; otherwise (a
+    read-only source, a large pickle) each buffer is copied once.
+
+    A lent tensor's storage cannot be resized (``resize_()`` raises, as on a tensor
+    from ``torch.frombuffer``)."""
     view = memoryview(data).cast("B")
     if bytes(view[:len(MAGIC)]) != MAGIC:
         return pickle.loads(view)
@@ -123,7 +132,7 @@ def loads(data: Any) -> Any:
     header = json.loads(bytes(view[at:at + n]))
     start, length = header["pickle"]
     buffers = [view[offset:offset + size] for offset, size in header["buffers"]]
-    if view.readonly:
+    if view.readonly or length > LEND_IN_BAND_BYTES:
         buffers = [_writable_copy(buffer) for buffer in buffers]
     return pickle.loads(view[start:start + length], buffers=buffers)
 

@@ -11,6 +11,7 @@ as they are, and reading an item writes nothing, so forks share every page.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
@@ -19,6 +20,7 @@ import numpy as np
 __all__ = ["PackedStrings"]
 
 _CODEC = ("utf-8", "surrogatepass")  # (any str, lone surrogates included, round-trips)
+_CHUNK = 4096
 
 
 class PackedStrings(Sequence):
@@ -46,7 +48,7 @@ class PackedStrings(Sequence):
         return packed
 
     def __reduce__(self) -> tuple:
-        return PackedStrings._from_arrays, (self._data, self._ends)
+        return _rebuild, (type(self), self._data, self._ends)
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -61,7 +63,7 @@ class PackedStrings(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         n = len(self._ends)
-        j = i.__index__()
+        j = operator.index(i)  # (TypeError for a float, as a list gives)
         if j < 0:
             j += n
         if not 0 <= j < n:
@@ -71,15 +73,16 @@ class PackedStrings(Sequence):
 
     def __iter__(self) -> Iterator[str]:
         data, start = self._data, 0
-        for end in self._ends.tolist():
-            yield data[start:end].tobytes().decode(*_CODEC)
-            start = end
+        for at in range(0, len(self._ends), _CHUNK):  # (a few thousand ints at a time)
+            for end in self._ends[at:at + _CHUNK].tolist():
+                yield data[start:end].tobytes().decode(*_CODEC)
+                start = end
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PackedStrings):
             return np.array_equal(self._ends, other._ends) and \
                 np.array_equal(self._data, other._data)
-        if isinstance(other, (list, tuple)):
+        if isinstance(other, list):  # (as a list: never equal to a tuple)
             return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
 
@@ -94,3 +97,7 @@ class PackedStrings(Sequence):
     def nbytes(self) -> int:
         """The bytes it holds: the UTF-8 text and 8 per string."""
         return int(self._data.nbytes + self._ends.nbytes)
+
+
+def _rebuild(cls: type, data: np.ndarray, ends: np.ndarray) -> PackedStrings:
+    return cls._from_arrays(data, ends)

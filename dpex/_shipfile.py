@@ -18,12 +18,13 @@ as long as the base maps them and no longer.
 Since a base maps the memfd, its pages are the dataset's own wherever the shipment is
 mostly buffers (tensors, arrays, :class:`~dpex.PackedStrings`): keeping the memfd open
 then costs the node nothing more. So a delivery whose in-band pickle is at most
-:data:`KEEP_IN_BAND_BYTES` keeps it for the iterator's life (:attr:`Delivery.kept`),
+:data:`KEEP_IN_BAND_BYTES` keeps it until the iterator ends (:attr:`Delivery.kept`),
 and every worker later started on a host on this node (a replacement, an added
 worker, a new host after one was killed) takes it from there, with no pickling and
-nothing put in Ray's object store. (Not a later iterator's of the same bytes: its
-hosts fork from the base the first one made, which maps that one's memfd, so a new
-memfd is closed once the first workers started, as a large pickle's is.) One with a larger pickle (a list of millions of
+nothing put in Ray's object store. (Not where no host was given it, nor for bytes this
+process shipped before, a later iterator's or a rebuilt loader's: their hosts fork
+from the base the first made, which maps that one's memfd, so a new memfd is closed
+once the first workers started, as a large pickle's is.) One with a larger pickle (a list of millions of
 strings: the memfd would be a second copy beside the objects the base made of it) is
 closed once every first worker has started, as before.
 
@@ -46,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dpex._framed import LEND_IN_BAND_BYTES
+
 __all__ = ["KEEP_IN_BAND_BYTES", "ShipmentRef", "ShipmentFile", "ShipmentUnavailable",
            "Delivery", "map_shipment", "read_shipment"]
 
@@ -53,8 +56,9 @@ logger = logging.getLogger("dpex")
 
 _NONCE_BYTES = 16
 _DATA_AT = 64  # the shipment's offset in the memfd (its buffers stay 64-byte aligned)
-# The most in-band pickle a delivery keeps its memfd open for (see the docstring).
-KEEP_IN_BAND_BYTES = 16 * 1024 * 1024
+# The most in-band pickle a delivery keeps its memfd open for (see the docstring): a
+# reader lends its buffers up to the same size (dpex._framed), so those pages are its.
+KEEP_IN_BAND_BYTES = LEND_IN_BAND_BYTES
 
 
 class ShipmentUnavailable(OSError):
@@ -163,15 +167,16 @@ class Delivery:
         (:class:`~dpex._spec.PickledLoader` in ``ray.put``); ``repickle()``: the loader
         pickled again, once the memfd
         is closed; ``on_stored(ref)``: told of a copy put here (the loader keeps it for
-        its next iterator); ``keep``: the memfd may be kept (not for the loader's
-        previous shipment again: its hosts' bases map the memfd they were made from, and
+        its next iterator); ``keep``: the memfd may be kept (not for bytes this
+        process shipped before: its hosts' bases map the memfd they were made from, and
         this one would be a second copy)."""
         self.node_id = node_id
         self.digest = digest
         self._refs = tuple(getattr(data, "refs", ()))  # the Ray refs pickled in it
         in_band = getattr(data, "in_band", None)
-        # The memfd stays open until the delivery is dropped (the iterator ends).
+        # The memfd stays open until the iterator ends (:meth:`close`), if lent.
         self.kept = keep and in_band is not None and in_band <= KEEP_IN_BAND_BYTES
+        self._lent = False  # a worker on a host was handed the memfd (:meth:`lend`)
         self._file: ShipmentFile | None = ShipmentFile(data, node_id)
         self._stored = stored
         self._put, self._repickle, self._on_stored = put, repickle, on_stored
@@ -182,6 +187,14 @@ class Delivery:
         """The memfd, for a host on the trainer's node (None once released)."""
         file = self._file
         return file.ref if file is not None and file.open else None
+
+    def lend(self) -> ShipmentRef | None:
+        """:attr:`local`, for a worker on a host: a kept memfd stays open only if a
+        host was given it (no host, or workers of their own actors: nobody maps it)."""
+        ref = self.local
+        if ref is not None:
+            self._lent = True
+        return ref
 
     def object_ref(self) -> Any:
         """The object store's copy (put now if there is none)."""
@@ -202,9 +215,19 @@ class Delivery:
         return data
 
     def release_local(self) -> None:
-        """Close the memfd: every first worker has read it (unless :attr:`kept`)."""
-        if self.kept:
-            return
+        """Close the memfd: every first worker has read it (unless :attr:`kept` and
+        lent to a host)."""
+        if not (self.kept and self._lent):
+            self.close()
+
+    def closer(self) -> Callable[[], None]:
+        """:meth:`close`, as a callable that holds only the memfd (not this delivery,
+        whose callbacks reach its loader: the iterator's runtime keeps it)."""
+        file = self._file
+        return file.close if file is not None else (lambda: None)
+
+    def close(self) -> None:
+        """Close the memfd, kept or not: the iterator ended (no worker will start)."""
         with self._lock:
             file, self._file = self._file, None
         if file is not None:

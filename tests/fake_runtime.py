@@ -354,6 +354,9 @@ class Runtime:
     def open(self) -> None:
         self.opened = True
 
+    def start(self, specs, shipped) -> None:
+        self.workers.start(specs, shipped)
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True

@@ -93,6 +93,20 @@ def test_a_writable_source_lends_its_pages_and_a_read_only_one_is_copied():
     assert torch.equal(copy["tensor"][1:], data["tensor"][1:])
 
 
+def test_a_large_pickle_does_not_lend_its_buffers(monkeypatch):
+    """A view keeps its whole source alive (the memfd, pickle included): past
+    LEND_IN_BAND_BYTES of pickle the buffers are copied, so the source can go."""
+    monkeypatch.setattr(_framed, "LEND_IN_BAND_BYTES", 100)  # (this pickle is larger)
+    whole = bytearray(bytes(shipped(big())))
+    before = bytes(whole)
+    out = unpickled(whole)
+    lo = np.frombuffer(whole, dtype=np.uint8).ctypes.data
+    assert not lo <= out["tensor"].untyped_storage().data_ptr() < lo + len(whole)
+    assert not lo <= out["array"].ctypes.data < lo + len(whole)
+    out["tensor"][0, 0] = 7.0
+    assert bytes(whole) == before  # its source untouched
+
+
 def test_views_of_one_storage_travel_once_and_come_back_sharing_it():
     base = torch.arange(500_000, dtype=torch.float32)
     views = {"all": base, "head": base[:10], "tail": base[-100_000:],

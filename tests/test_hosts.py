@@ -17,6 +17,15 @@ from dpex import DpexDataLoader
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
 
+@pytest.fixture
+def fresh_shipments(monkeypatch):
+    """This process has shipped no dataset yet (bytes shipped before do not keep their
+    memfd: a host's base maps the first one's): other tests ship the same datasets."""
+    from dpex.client import _runtime
+
+    monkeypatch.setattr(_runtime, "_SHIPPED", {})
+
+
 def ready(it, n):
     deadline = time.monotonic() + 60
     while len(it._ready) < n and time.monotonic() < deadline:
@@ -65,6 +74,7 @@ def test_a_killed_worker_process_is_forked_again_and_the_epoch_stays_exact():
     assert replacement["session_pid"] != info[1]["session_pid"]
 
 
+@pytest.mark.usefixtures("fresh_shipments")
 def test_a_killed_host_loses_its_workers_which_move_to_a_new_host_uncharged():
     """SIGKILL of the host: every worker on it is lost with it, not by a fault of its
     own; they are replaced on a new host (max_worker_restarts=0 still passes) and the
@@ -107,6 +117,7 @@ def test_loaders_iterating_at_once_share_their_nodes_host():
     assert_same(list(dsets.torch_loader(dsets.Squares(40), batch_size=2)), [first, *it])
 
 
+@pytest.mark.usefixtures("fresh_shipments")
 @pytest.mark.parametrize("kept", [True, False], ids=["buffers", "large-pickle"])
 def test_the_trainer_keeps_no_copy_of_the_dataset_once_its_workers_started(kept, monkeypatch):
     """On the trainer's node the pickled loader crosses through a memfd, which the host's
@@ -135,6 +146,7 @@ def test_the_trainer_keeps_no_copy_of_the_dataset_once_its_workers_started(kept,
     else:
         assert memfds() == []
     assert len(list(it)) == 127  # (8 MiB: 8,192 rows of 1 KiB)
+    assert memfds() == []  # the iterator ended: no worker will read it any more
     del it, info
     gc.collect()
     second = iter(loader)
@@ -145,6 +157,15 @@ def test_the_trainer_keeps_no_copy_of_the_dataset_once_its_workers_started(kept,
     assert memfds() == []
     assert len([*batches, *second]) == 128
     assert loader.stats()["dataset_reused"] and loader._shipped[1] is None
+    del second
+    gc.collect()
+    # A loader built again over the same dataset (Lightning rebuilds its loaders): the
+    # same bytes, the same base, so its memfd is not kept either.
+    rebuilt = iter(DpexDataLoader(loader.dataset, batch_size=64, num_workers=2,
+                                  distribute_mode=True))
+    first = next(rebuilt)
+    ready(rebuilt, 2)
+    assert memfds() == [] and len([first, *rebuilt]) == 128
 
 
 @pytest.mark.parametrize("remote_args", [None, {"num_cpus": 1}], ids=["host", "reserving"])
@@ -154,10 +175,17 @@ def test_a_hosts_dataset_is_the_trainers_memfd_mapped_and_each_worker_may_write_
     dataset's tensors and arrays are the memfd's pages (before, an unpickled copy), and
     a worker writing to its copy changes only its own. A worker that reserves resources
     (an actor of its own, from the object store) gets a private, writable copy."""
+    from test_shipfile import memfds
+
     dataset = dsets.WhereHeld()
     loader = DpexDataLoader(dataset, batch_size=500, num_workers=1, distribute_mode=True,
                             ray_remote_args=remote_args)
-    rows = torch.cat(list(loader))
+    it = iter(loader)
+    rows = [next(it)]
+    ready(it, 1)
+    if remote_args is not None:  # its own actor, given the object store's copy: the
+        assert memfds() == []  # trainer's memfd was lent to no host, so not kept
+    rows = torch.cat([*rows, *it])
     assert torch.equal(rows[:, 0], torch.arange(len(dataset), dtype=torch.float32))
     mapped = remote_args is None
     assert bool(rows[:, 1].all()) is mapped and bool(rows[:, 2].all()) is mapped

@@ -27,14 +27,25 @@ def test_it_reads_as_the_list_it_was_made_from():
     with pytest.raises(TypeError, match="holds str, not int: 3"):
         PackedStrings(["a", 3])
     with pytest.raises(TypeError):
+        packed[1.0]  # as a list
+    assert packed != tuple(WORDS) and packed == list(WORDS)  # as a list: no tuple is equal
+    with pytest.raises(TypeError):
         packed[1] = "b"  # read-only
     assert "PackedStrings(['', 'a', 'héllo', ...], 8 strings" in repr(packed)
 
 
-def test_it_pickles_to_the_same_strings():
+class Paths(PackedStrings):
+    pass
+
+
+def test_it_pickles_to_the_same_strings_and_class():
     packed = PackedStrings(WORDS)
     assert pickle.loads(pickle.dumps(packed)) == packed
     assert pickle.loads(pickle.dumps(packed, protocol=2)) == WORDS
+    again = pickle.loads(pickle.dumps(Paths(WORDS)))
+    assert type(again) is Paths and again == WORDS
+    many = PackedStrings(str(i) for i in range(10_000))  # iteration over several chunks
+    assert list(many) == [str(i) for i in range(10_000)]
 
 
 def test_shipped_it_travels_beside_the_pickle_and_comes_back_as_views():

@@ -58,13 +58,16 @@ def test_a_delivery_of_buffers_keeps_its_memfd_until_it_is_dropped():
     d, store, _ = delivery(b"p" * 100, out_of_band=90)
     assert d.kept
     before = len(memfds())
+    assert d.lend() == d.local  # a worker on a host was given it
     d.release_local()  # every first worker said hello
     assert d.local is not None and read_shipment(d.local) == b"p" * 100
     assert store.puts == [] and len(memfds()) == before
     large, _, _ = delivery(b"p" * 100, out_of_band=0)
     assert large.kept  # 100 bytes in band: under the limit
-    del d, large
-    assert len(memfds()) == before - 1
+    large.release_local()  # ... but no host was given it: nobody maps it, it goes
+    assert large.local is None and len(memfds()) == before
+    d.close()  # the iterator ended
+    assert d.local is None and len(memfds()) == before - 1
 
 
 def test_a_delivery_with_a_pickle_over_the_limit_is_not_kept(monkeypatch):

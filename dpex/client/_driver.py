@@ -145,7 +145,7 @@ class EpochDriver:
                 # (the digest it replaces, and the shipment's own: see ship())
                 rec.spec = dataclasses.replace(rec.spec, replaces=keys[0], shipment=keys[1])
             self.shipped = Shipment(ref, reused, shipped_bytes)
-            runtime.workers.start(self.specs, ref)
+            runtime.start(self.specs, ref)
         except BaseException:
             runtime.close()
             raise

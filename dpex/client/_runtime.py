@@ -73,6 +73,7 @@ class Runtime:
             FleetGroup(config.worker_pool, handoff, config.startup_timeout) if config.worker_pool
             else WorkerGroup(worker_class, config.ray_remote_args, handoff, label,
                              keep_s=config.warm_worker_timeout))
+        self._close_shipment: Callable[[], None] = lambda: None  # (the memfd's)
         self.closed = False
 
     def open(self) -> None:
@@ -82,12 +83,20 @@ class Runtime:
         self.loop.start(timeout=60.0)
         self.loop.run(self.session.open(), timeout=60.0)
 
+    def start(self, specs: Any, shipped: Any) -> None:
+        """Start the workers of ``specs`` with ``shipped`` (a :class:`Delivery` is
+        closed with this runtime)."""
+        if isinstance(shipped, Delivery):
+            self._close_shipment = shipped.closer()
+        self.workers.start(specs, shipped)
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.workers.stop()
         self.loop.stop(cleanup=self.session.close)
+        self._close_shipment()  # no worker will read the memfd any more
 
 
 def _store(data: Any, refs: tuple) -> Any:
@@ -95,6 +104,12 @@ def _store(data: Any, refs: tuple) -> Any:
     if isinstance(data, PickledLoader):
         return ray.put(data)
     return ray.put(PickledLoader(*getattr(data, "parts", (data,)), refs=refs))
+
+
+# The digests this process shipped (the latest last): bytes shipped again are likely
+# held by a host already, in a base that maps the first shipment's memfd.
+_SHIPPED: dict[bytes, bool] = {}
+_SHIPPED_KEPT = 256
 
 
 def ship(loader: Any, shipped: Any, repickle: Callable[[], Any]) -> tuple[Delivery, bool,
@@ -110,6 +125,10 @@ def ship(loader: Any, shipped: Any, repickle: Callable[[], Any]) -> tuple[Delive
     digest = shipped.digest()
     previous = getattr(loader, "_shipped", None)
     reused = previous is not None and previous[0] == digest
+    shipped_before = _SHIPPED.pop(digest, False)  # (by any loader of this process)
+    _SHIPPED[digest] = True
+    while len(_SHIPPED) > _SHIPPED_KEPT:
+        _SHIPPED.pop(next(iter(_SHIPPED)))
     loader._shipped = (digest, previous[1] if reused else None)
 
     def stored(ref: Any) -> None:  # the loader's next iterator reuses this copy
@@ -118,7 +137,7 @@ def ship(loader: Any, shipped: Any, repickle: Callable[[], Any]) -> tuple[Delive
 
     delivery = Delivery(shipped, ray.get_runtime_context().get_node_id(), digest,
                         stored=loader._shipped[1], put=_store, repickle=repickle,
-                        on_stored=stored, keep=not reused)
+                        on_stored=stored, keep=not shipped_before)
     replaced = previous[0].hex() if previous is not None and not reused else None
     return delivery, reused, replaced, digest.hex()
 

@@ -107,9 +107,10 @@ def deliver(spec: WorkerSpec, shipped: Any, node: str | None, hosted: bool,
     if not isinstance(shipped, Delivery):
         return spec, shipped  # (an object ref as is: a test's, or a fleet's)
     # (``None``: the cluster has one node, which the trainer runs on)
-    if hosted and (starting or shipped.kept) and node in (None, shipped.node_id) \
-            and shipped.local is not None:
-        return dataclasses.replace(spec, local=shipped.local), None
+    if hosted and (starting or shipped.kept) and node in (None, shipped.node_id):
+        local = shipped.lend()
+        if local is not None:
+            return dataclasses.replace(spec, local=local), None
     return spec, shipped.object_ref()
 
 
