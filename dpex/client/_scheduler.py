@@ -60,11 +60,18 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from dpex._config import prefetch_window
 from dpex._protocol import Kind, Message
+from dpex.client._actions import (
+    Control,
+    Fatal,
+    SendTasks,
+    StartReplacement,
+    StartWorker,
+    StopWorker,
+)
 from dpex.client._kills import MAX_HANGS_PER_BATCH, KillBudget, KillWorker
 from dpex.client._ledger import TaskLedger
 from dpex.client._lost import IDLE, LossWatch
@@ -75,50 +82,6 @@ __all__ = ["EpochScheduler", "MAX_HANGS_PER_BATCH", "SendTasks", "Control", "Sta
            "StartWorker", "StopWorker", "EPOCH_END"]
 
 EPOCH_END = object()  # what take() returns once the epoch has nothing more
-
-
-# -- actions -------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SendTasks:
-    worker_id: int
-    epoch: int
-    tasks: list[tuple[int, Any]]  # (seq, indices), in the order the worker runs them
-    kind = Kind.TASKS
-
-
-@dataclass(frozen=True)
-class Control:
-    worker_id: int
-    kind: Kind  # RESUME (payload: the epoch's IterDataPipe seed) or SKIP (payload: n)
-    epoch: int
-    payload: Any = None
-
-
-@dataclass(frozen=True)
-class StartReplacement:
-    worker_id: int
-    incarnation: int
-
-
-@dataclass(frozen=True)
-class StartWorker:
-    """Start a new worker with this (new) id; it says HELLO when ready."""
-    worker_id: int
-
-
-@dataclass(frozen=True)
-class StopWorker:
-    """A retired worker holds no task any more: end its session (its exit is expected)."""
-    worker_id: int
-
-
-@dataclass(frozen=True)
-class Fatal:
-    worker_id: int
-    startup: bool  # it never started (or cannot): WorkerStartupError, else WorkerDiedError
-    hung: str = ""  # dpex's own kills are spent: why (WorkerHungError)
-
 
 
 # -- the scheduler -----------------------------------------------------------------------
