@@ -50,7 +50,7 @@ from typing import Any
 from dpex._framed import LEND_IN_BAND_BYTES
 
 __all__ = ["KEEP_IN_BAND_BYTES", "ShipmentRef", "ShipmentFile", "ShipmentUnavailable",
-           "Delivery", "map_shipment", "read_shipment"]
+           "Delivery", "map_shipment"]
 
 logger = logging.getLogger("dpex")
 
@@ -128,18 +128,6 @@ def _open(ref: ShipmentRef) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def read_shipment(ref: ShipmentRef) -> bytes:
-    """The trainer's pickled loader read through its memfd (a copy)."""
-    fd = _open(ref)
-    try:
-        data = os.pread(fd, ref.size, _DATA_AT)
-    finally:
-        os.close(fd)
-    if len(data) != ref.size:
-        raise ShipmentUnavailable(f"read {len(data)} of the dataset's {ref.size} bytes")
-    return data
 
 
 def map_shipment(ref: ShipmentRef) -> memoryview:

@@ -12,7 +12,7 @@ from dsets import open_memfds
 
 from dpex import _framed
 from dpex._framed import ALIGN, OUT_OF_BAND_BYTES, PickleParts
-from dpex._shipfile import ShipmentFile, map_shipment, read_shipment
+from dpex._shipfile import ShipmentFile, map_shipment
 from dpex._spec import ShippedLoader
 from dpex.client._shipping import ship_loader
 from dpex.server._trainer_state import enter_trainer_state, leave_trainer_state
@@ -140,7 +140,7 @@ def test_a_host_maps_the_memfd_copy_on_write_and_the_trainer_keeps_its_tensor():
     before = len(open_memfds("dpex-shipment"))
     file = ShipmentFile(shipped(data), NODE)
     view = map_shipment(file.ref)
-    assert not view.readonly and bytes(view) == read_shipment(file.ref)
+    assert not view.readonly and bytes(view) == file.read()
     out = unpickled(view)
     lo = np.frombuffer(view, dtype=np.uint8).ctypes.data
     assert lo <= out["tensor"].untyped_storage().data_ptr() < lo + len(view)
