@@ -38,8 +38,8 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["ALIGN", "LEND_IN_BAND_BYTES", "MAGIC", "OUT_OF_BAND_BYTES", "PickleParts", "frame",
-           "loads"]
+__all__ = ["ALIGN", "LEND_IN_BAND_BYTES", "MAGIC", "OUT_OF_BAND_BYTES", "PickleParts", "ViewReader",
+           "frame", "loads"]
 
 MAGIC = b"DPEXOOB1"
 _LENGTH = struct.Struct("<I")
@@ -116,25 +116,65 @@ def frame(prefix: bytes, data: bytes, buffers: list[Any]) -> list[Any]:
     return parts
 
 
-def loads(data: Any) -> Any:
+def loads(data: Any, *, lend: bool | None = None,
+          unpickler: type[pickle.Unpickler] | None = None) -> Any:
     """Unpickle a loader's pickle, framed (see the module's docstring) or plain. A
     writable ``data`` (the memfd mapped copy-on-write) lends its buffers to what is
-    rebuilt, where its pickle is at most :data:`LEND_IN_BAND_BYTES`; otherwise (a
-    read-only source, a large pickle) each buffer is copied once.
+    rebuilt, where its pickle is at most :data:`LEND_IN_BAND_BYTES` (``lend=True``: at
+    any size, for a source kept as long as what is rebuilt from it); otherwise (a
+    read-only source, a large pickle) each buffer is copied once. ``unpickler``: a
+    ``pickle.Unpickler`` subclass to unpickle with (default: ``pickle.loads``).
 
     A lent tensor's storage cannot be resized (``resize_()`` raises, as on a tensor
     from ``torch.frombuffer``)."""
     view = memoryview(data).cast("B")
     if bytes(view[:len(MAGIC)]) != MAGIC:
-        return pickle.loads(view)
+        return _unpickle(view, None, unpickler)
     (n,) = _LENGTH.unpack_from(view, len(MAGIC))
     at = len(MAGIC) + _LENGTH.size
     header = json.loads(bytes(view[at:at + n]))
     start, length = header["pickle"]
     buffers = [view[offset:offset + size] for offset, size in header["buffers"]]
-    if view.readonly or length > LEND_IN_BAND_BYTES:
+    if view.readonly or (length > LEND_IN_BAND_BYTES and not lend):
         buffers = [_writable_copy(buffer) for buffer in buffers]
-    return pickle.loads(view[start:start + length], buffers=buffers)
+    return _unpickle(view[start:start + length], buffers, unpickler)
+
+
+def _unpickle(view: memoryview, buffers: list | None,
+              unpickler: type[pickle.Unpickler] | None) -> Any:
+    if unpickler is None:
+        return pickle.loads(view, buffers=buffers)
+    return unpickler(ViewReader(view), buffers=buffers).load()
+
+
+class ViewReader:
+    """A read-only file over a bytes-like object, for ``pickle.Unpickler`` (which takes a
+    file; ``io.BytesIO`` would copy the whole pickle first)."""
+
+    def __init__(self, data: Any) -> None:
+        self._view = memoryview(data).cast("B")
+        self._at = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n is None or n < 0 else min(self._at + n, len(self._view))
+        data = bytes(self._view[self._at:end])
+        self._at = end
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        n = min(len(target), len(self._view) - self._at)
+        target[:n] = self._view[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def readline(self) -> bytes:
+        rest = self._view[self._at:]
+        end = bytes(rest[:4096]).find(b"\n")  # (pickle's text opcodes: short lines)
+        if end < 0:
+            end = bytes(rest).find(b"\n")
+        n = len(rest) if end < 0 else end + 1
+        return self.read(n)
 
 
 def _writable_copy(view: memoryview) -> Any:

@@ -32,6 +32,9 @@ A worker that cannot use the memfd (another node, or after it was closed) gets t
 object store's copy, put when first needed: from the memfd while it is open, else
 pickled again (:class:`Delivery`; a dataset changed since ``iter()`` is logged, and
 the workers that start from it see it as it is now).
+
+The host wing's processes, what each holds and when it ends: NOTE [ The worker
+host's processes ] in :mod:`dpex.server._fork_base`.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ __all__ = ["KEEP_IN_BAND_BYTES", "ShipmentRef", "ShipmentFile", "ShipmentUnavail
 logger = logging.getLogger("dpex")
 
 _NONCE_BYTES = 16
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _DATA_AT = 64  # the shipment's offset in the memfd (its buffers stay 64-byte aligned)
 # The most in-band pickle a delivery keeps its memfd open for (see the docstring): a
 # reader lends its buffers up to the same size (dpex._framed), so those pages are its.
@@ -62,7 +66,9 @@ KEEP_IN_BAND_BYTES = LEND_IN_BAND_BYTES
 
 
 class ShipmentUnavailable(OSError):
-    """The trainer's memfd cannot be read here (closed, another node or namespace)."""
+    """The trainer's memfd cannot be read here (closed, its number reused, another node,
+    mount or PID namespace): the worker's start is not its own failure, and the trainer
+    starts it again with the object store's copy (:meth:`Delivery.refuse_local`)."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +100,12 @@ class ShipmentFile:
             while view:  # (write() may take less than asked)
                 view = view[os.pwrite(fd, view, _DATA_AT + size - view.nbytes):]
         os.pwrite(fd, nonce, 0)
-        # A mapping of it never finds the file shorter (SIGBUS) or longer.
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        # A mapping of it never finds the file shorter (SIGBUS) or longer, and nobody
+        # writes it again: any process of the trainer's user may open it by its /proc
+        # path, and every later worker's dataset is its bytes (a base still maps it
+        # copy-on-write: the write seal refuses only shared writable mappings, on every
+        # kernel with memfds, 3.17 on). No further seal can be added or removed.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         self.ref = ShipmentRef(node_id, os.getpid(), fd, nonce, size)
 
     @property
@@ -120,10 +130,17 @@ def _open(ref: ShipmentRef) -> int:
     try:
         if os.pread(fd, _NONCE_BYTES, 0) != ref.nonce:
             raise ShipmentUnavailable("the trainer's copy of the dataset is gone (nonce)")
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+            raise ShipmentUnavailable("the trainer's copy of the dataset is not sealed")
         if os.fstat(fd).st_size != _DATA_AT + ref.size:
             raise ShipmentUnavailable(f"the trainer's copy of the dataset holds "
                                       f"{os.fstat(fd).st_size - _DATA_AT} bytes, not "
                                       f"{ref.size}")
+    except OSError as exc:
+        os.close(fd)
+        if isinstance(exc, ShipmentUnavailable):
+            raise
+        raise ShipmentUnavailable(f"cannot read the trainer's copy of the dataset: {exc}") from exc
     except BaseException:
         os.close(fd)
         raise
@@ -138,6 +155,8 @@ def map_shipment(ref: ShipmentRef) -> memoryview:
     try:
         mapped = mmap.mmap(fd, _DATA_AT + ref.size, flags=mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise ShipmentUnavailable(f"cannot map the trainer's copy of the dataset: {exc}") from exc
     finally:
         os.close(fd)
     return memoryview(mapped)[_DATA_AT:]
@@ -165,6 +184,8 @@ class Delivery:
         # The memfd stays open until the iterator ends (:meth:`close`), if lent.
         self.kept = keep and in_band is not None and in_band <= KEEP_IN_BAND_BYTES
         self._lent = False  # a worker on a host was handed the memfd (:meth:`lend`)
+        self._refused = False  # a host could not use it: no worker is handed it again
+        self.fallbacks = 0  # worker starts that had to take the object store's copy
         self._file: ShipmentFile | None = ShipmentFile(data, node_id)
         self._stored = stored
         self._put, self._repickle, self._on_stored = put, repickle, on_stored
@@ -178,11 +199,19 @@ class Delivery:
 
     def lend(self) -> ShipmentRef | None:
         """:attr:`local`, for a worker on a host: a kept memfd stays open only if a
-        host was given it (no host, or workers of their own actors: nobody maps it)."""
-        ref = self.local
+        host was given it (no host, or workers of their own actors: nobody maps it).
+        None once a host could not use it (:meth:`refuse_local`)."""
+        ref = None if self._refused else self.local
         if ref is not None:
             self._lent = True
         return ref
+
+    def refuse_local(self) -> None:
+        """A host on this node could not use the memfd (gone before its base mapped it,
+        another mount or PID namespace): that worker starts again with the object
+        store's copy, and so does every later one (counted in :attr:`fallbacks`)."""
+        self._refused = True
+        self.fallbacks += 1
 
     def object_ref(self) -> Any:
         """The object store's copy (put now if there is none)."""

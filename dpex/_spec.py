@@ -187,3 +187,7 @@ class WorkerSpec:
     # trainer's memfd holding the pickled loader (then the serve call carries no copy
     # of it; dpex._shipfile).
     local: ShipmentRef | None = None
+    # The trainer's Ray namespace, for a fleet's session (set by the trainer's
+    # FleetGroup): the Ray calls of its dataset's code join it, as a loader's own
+    # workers' do (``ray.get_actor`` of the trainer's named actors). None: the worker's.
+    namespace: str | None = None

@@ -65,6 +65,7 @@ class LoaderStats(TypedDict, total=False):
     batch_latency: dict[str, float] | None  # batch ready in a worker -> loop holds it (recent)
     dataset_bytes: int  # the pickled dataset, collate_fn and worker_init_fn shipped
     dataset_reused: bool  # the same bytes as the loader's previous iterator: not shipped again
+    dataset_fallbacks: int  # worker starts whose host could not use the trainer's memfd
     received: int  # data messages accepted
     received_in_ring: int  # of which through the same-node shared-memory ring
     security: str  # the sockets' mode: "authenticated" (frames in clear) or "encrypted"

@@ -655,3 +655,70 @@ class SessionEvents:
                 if left <= 0:
                     raise
             self.session.wait(min(left, 0.1))
+
+
+class Records(Dataset):
+    """Fixed-size records of a file, read by seek + read through a handle the dataset
+    drops in ``__getstate__`` and opens again in ``__setstate__`` (what
+    DatasetNotPicklableError advises). Item ``i`` is ``[i, the record's number as read,
+    whether this process opened the handle]``: two processes sharing one open file
+    description move each other's offset, and read another item's record."""
+
+    RECORD = 64
+
+    def __init__(self, path: str, n: int = 20_000) -> None:
+        self.path, self.n = path, n
+        with open(path, "wb") as f:
+            for i in range(n):
+                f.write(struct.pack("<q", i) * (self.RECORD // 8))
+        self._open()
+
+    def _open(self) -> None:
+        self.f = open(self.path, "rb", buffering=0)
+        self.opened_in = os.getpid()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "f": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.f.seek(i * self.RECORD)
+        record = self.f.read(self.RECORD)
+        return torch.tensor([i, struct.unpack_from("<q", record)[0],
+                             int(self.opened_in == os.getpid())])
+
+
+class EntropyRng(Dataset):
+    """An RNG made from entropy in ``__setstate__``: item ``i`` is ``[i, the worker's
+    id, a draw]`` (each worker its own stream under torch's spawn)."""
+
+    def __init__(self, n: int = 200) -> None:
+        self.n = n
+        self.rng = np.random.default_rng()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "rng": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.rng = np.random.default_rng()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, get_worker_info().id, int(self.rng.integers(2**62))])
+
+
+class WhereHeldReopening(WhereHeld):
+    """:class:`WhereHeld` whose unpickling runs its own code: each worker unpickles it."""
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.unpickled_in = os.getpid()

@@ -192,3 +192,31 @@ def test_a_hosts_dataset_is_the_trainers_memfd_mapped_and_each_worker_may_write_
     assert torch.equal(rows[:, 3], rows[:, 0] + 1)  # each write landed, once
     assert float(dataset.tensor.sum()) == 0.0 and dataset.array.sum() == 0.0
     loader.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_a_resume_from_a_state_taken_right_after_iter_starts_every_worker(persistent):
+    """Issue 47's sequence: ``state_dict()`` right after ``iter()`` (a job's checkpoint
+    at an epoch's start), ``close()``, then a new loader over an equal dataset loads it,
+    several times in one process. The first loader's memfd may go before its host's base
+    mapped it; before, that base was kept with the error inside and every worker of the
+    equal dataset failed (ShipmentUnavailable after 3 restarts)."""
+    kw = {"batch_size": 4, "shuffle": True, "num_workers": 2,
+          "persistent_workers": persistent}
+    dataset = dsets.Squares(64)
+    expected = list(dsets.torch_loader(dataset, generator=torch.Generator().manual_seed(7),
+                                       **kw))
+    for _ in range(3):
+        first = DpexDataLoader(dsets.Squares(64), distribute_mode=True,
+                               generator=torch.Generator().manual_seed(7), **kw)
+        iter(first)
+        state = first.state_dict()
+        first.close()
+        resumed = DpexDataLoader(dsets.Squares(64), distribute_mode=True,
+                                 generator=torch.Generator().manual_seed(99), **kw)
+        resumed.load_state_dict(state)
+        got = list(resumed)
+        stats = resumed.stats()
+        resumed.close()
+        assert_same(got, expected)
+        assert stats["dataset_fallbacks"] <= 2  # (a host that found the memfd gone)

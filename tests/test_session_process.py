@@ -141,7 +141,7 @@ def test_a_session_process_starts_from_the_workers_start_state(monkeypatch, tmp_
     monkeypatch.setenv("DPEX_TEST_INIT", "0,")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    _session_process._restore(state)
+    _session_process.restore_state(state)
     assert os.environ.get("DPEX_TEST_INIT") == state[0].get("DPEX_TEST_INIT")
     assert os.getcwd() == state[2]
     assert str(tmp_path) not in sys.path
@@ -153,7 +153,7 @@ PRELOAD_HOST = textwrap.dedent("""
     import colorsys, usermod   # a library module and the user's, after the worker started
     colorsys.touched = usermod.touched = True   # state of the first session
     _session_process.prestart()
-    ctx = _session_process._context()
+    ctx = _session_process.mp_context()
     parent, child = ctx.Pipe()
     import probe
     p = ctx.Process(target=probe.report, args=(child,))
@@ -197,7 +197,7 @@ THREADED_PRELOAD_HOST = textwrap.dedent("""
         __import__(name)
     _session_process.library_modules = lambda: names  # (as if all were installed)
     _session_process.prestart()
-    ctx = _session_process._context()
+    ctx = _session_process.mp_context()
     parent, child = ctx.Pipe()
     import probe
     p = ctx.Process(target=probe.report, args=(child, names))

@@ -118,3 +118,33 @@ def test_a_dropped_delivery_closes_its_file():
     assert len(memfds()) == before + 1
     del d
     assert len(memfds()) == before
+
+
+def test_the_memfd_is_sealed_against_writes_yet_a_base_maps_it_copy_on_write():
+    """Any process of the trainer's user can open the memfd by its /proc path: sealed,
+    nobody can rewrite a later worker's dataset, while a base's private mapping still
+    takes writes of its own. A memfd without the seals is refused."""
+    import errno
+    import os
+
+    file = ShipmentFile(b"dataset" * 1000, NODE)
+    path = f"/proc/{file.ref.pid}/fd/{file.ref.fd}"
+    with pytest.raises(PermissionError) as raised:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.pwrite(fd, b"evil", 100)
+        finally:
+            os.close(fd)
+    assert raised.value.errno == errno.EPERM
+    view = map_shipment(file.ref)
+    view[:4] = b"mine"  # (copy-on-write: the file keeps its bytes)
+    assert read_shipment(file.ref)[:7] == b"dataset"
+    file.close()
+    unsealed = os.memfd_create("dpex-shipment-test", os.MFD_CLOEXEC)
+    try:
+        os.pwrite(unsealed, file.ref.nonce + bytes(48) + b"x" * 10, 0)
+        forged = file.ref.__class__(NODE, os.getpid(), unsealed, file.ref.nonce, 10)
+        with pytest.raises(ShipmentUnavailable, match="not sealed"):
+            map_shipment(forged)
+    finally:
+        os.close(unsealed)

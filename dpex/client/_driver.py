@@ -354,9 +354,7 @@ class EpochDriver:
         self.apply(self.sched.ready(hello.worker_id, hello.info))
         started = sum(rec.known is not None for rec in self.sched.workers.records)
         if started >= self.start_count:  # each read the dataset: let it go
-            release = getattr(self.shipped.ref, "release_local", None)
-            if release is not None:
-                release()
+            self.shipped.release_local()
 
     def _on_exit(self, exit_: WorkerExit) -> None:
         if self.runtime.closed:
@@ -364,16 +362,18 @@ class EpochDriver:
         w = exit_.worker_id
         cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
         fleet = isinstance(self.runtime.workers, FleetGroup)
+        # Its host could not use the trainer's memfd: it starts again from the store.
+        undelivered = self.shipped.undelivered(cause)
         actions = self.sched.exited(
             w, exit_.incarnation, startup_error=isinstance(cause, WorkerStartupError),
             # A worker never placed because its node went away is placed again, like a death.
             unplaced=isinstance(cause, ray.exceptions.ActorUnschedulableError) or (
-                exit_.error is None and fleet),
+                exit_.error is None and fleet) or undelivered,
             cause=type(cause).__name__ if exit_.error is not None else "session ended",
             at=exit_.at,
             # A fleet worker ended the session cleanly (removed by `dpex fleet scale`), or
             # a guest session's host actor died: moved, not a death of its own.
-            moved=(exit_.error is None and fleet) or exit_.host_lost)
+            moved=(exit_.error is None and fleet) or exit_.host_lost or undelivered)
         fatal = next((a for a in actions if isinstance(a, Fatal)), None)
         if fatal is None:
             try:

@@ -3,6 +3,7 @@ the worker-group seam of :mod:`dpex.client._workers`, over actors the fleet owns
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from typing import Any
 
@@ -36,6 +37,8 @@ class FleetGroup:
         self.actors: dict[int, Any] = {}
         self._calls: dict[int, Any] = {}
         self._stopped = False
+        # (the sessions' Ray calls join this trainer's namespace: WorkerSpec.namespace)
+        self._namespace = ray.get_runtime_context().namespace
 
     def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
         for spec, actor in zip(specs, self._choose(len(specs)), strict=True):
@@ -43,7 +46,8 @@ class FleetGroup:
 
     def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, actor: Any) -> None:
         self.actors[spec.worker_id] = actor
-        spec, shipped = deliver(spec, shipped, None, False, False)
+        spec, shipped = deliver(dataclasses.replace(spec, namespace=self._namespace),
+                                shipped, None, False, False)
         ref = actor.serve.remote(named_shipment(spec, shipped), shipped)
         self._calls[spec.worker_id] = ref
         ref.future().add_done_callback(report_exit(self.events, spec.worker_id,

@@ -34,6 +34,7 @@ def iterator_stats(d: Any, epoch_s: float, batch_latency: dict, wait: bool = Tru
         "batch_latency": batch_latency,
         "dataset_bytes": d.shipped.size,
         "dataset_reused": d.shipped.reused,
+        "dataset_fallbacks": d.shipped.fallbacks,
         **session,
         "dropped": dict(sched.counters),
         "recoveries": [dict(r) for r in sched.recoveries.copy()],

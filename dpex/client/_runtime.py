@@ -18,7 +18,7 @@ from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._protocol import Wire
 from dpex._security import wire_security
-from dpex._shipfile import Delivery
+from dpex._shipfile import Delivery, ShipmentUnavailable
 from dpex._spec import PickledLoader, WorkerSpec
 from dpex.client._events import Handoff, LoopFailure
 from dpex.client._fleet_group import FleetGroup
@@ -153,9 +153,29 @@ class Seeds:
 
 @dataclasses.dataclass(frozen=True)
 class Shipment:
-    """The shipped loader: its delivery (:class:`~dpex._shipfile.Delivery`), whether it
-    is the loader's previous iterator's, and its size."""
+    """The shipped loader: its delivery (:class:`~dpex._shipfile.Delivery`; a fleet's
+    or a test's object ref), whether it is the loader's previous iterator's, and its
+    size."""
 
     ref: Any
     reused: bool
     size: int
+
+    def release_local(self) -> None:
+        """Every first worker started: the memfd may go (:meth:`Delivery.release_local`)."""
+        if isinstance(self.ref, Delivery):
+            self.ref.release_local()
+
+    def undelivered(self, cause: BaseException | None) -> bool:
+        """Whether a worker's exit (``cause``) says its host could not use the trainer's
+        memfd (:class:`~dpex._shipfile.ShipmentUnavailable`): not the worker's own
+        failure; it and every later worker take the object store's copy."""
+        if isinstance(cause, ShipmentUnavailable) and isinstance(self.ref, Delivery):
+            self.ref.refuse_local()
+            return True
+        return False
+
+    @property
+    def fallbacks(self) -> int:
+        """Worker starts that took the object store's copy for want of the memfd."""
+        return self.ref.fallbacks if isinstance(self.ref, Delivery) else 0

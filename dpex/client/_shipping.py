@@ -1,4 +1,8 @@
-"""Pickling what the workers need, with an error that names what failed."""
+"""Pickling what the workers need, with an error that names what failed.
+
+The host wing's processes, what each holds and when it ends: NOTE [ The worker
+host's processes ] in :mod:`dpex.server._fork_base`.
+"""
 
 from __future__ import annotations
 

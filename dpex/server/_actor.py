@@ -1,6 +1,9 @@
 """The worker actor: an asyncio server for its sessions, each served in this process
 (:class:`~dpex.server._session.SessionServer`) or in a process of its own
 (:mod:`dpex.server._session_process`, whose child runs :class:`SessionWorker`).
+
+The host wing's processes, what each holds and when it ends: NOTE [ The worker
+host's processes ] in :mod:`dpex.server._fork_base`.
 """
 
 from __future__ import annotations
@@ -14,19 +17,21 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from dpex._shipfile import ShipmentUnavailable
 from dpex._spec import Parcel, WorkerSpec
 from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
+from dpex.server._base_cache import BaseCache
 from dpex.server._fork_base import BaseUnsafe, ForkBase
 from dpex.server._session import Session, SessionServer
 from dpex.server._session_process import (
-    _START_STATE,
+    START_STATE,
     SessionProcess,
-    _context,
-    _restore,
+    mp_context,
     prestart,
+    restore_state,
 )
-from dpex.server._task_runner import _load
+from dpex.server._task_runner import load_shipped
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
@@ -34,8 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["DpexWorker", "SessionWorker"]
 
 logger = logging.getLogger("dpex")
-
-IDLE_BASES = 3  # fork bases a worker keeps while no session uses them (the latest ones)
 
 
 def _placement() -> dict:
@@ -95,13 +98,10 @@ class DpexWorker:
         self._forkserver: threading.Thread | None = None
         self._server = SessionServer(self.placement, session_timeout, self._count,
                                      self._count_rejected, self._sessions, self._computes)
-        # Fork bases by shipment: a start in progress (a future of a ForkBase, or of
-        # None where the loader cannot be shared: its sessions unpickle it each).
-        self._bases: dict[str, asyncio.Future] = {}
-        self._recent: list[str] = []  # shipments sessions asked for, the latest last
         # (A fleet's workers serve other trainers: none forks from libraries that
         # another trainer's dataset imported.)
         self._starter = _Bases(self._ray_view, share_libraries=not pooled)
+        self._bases = BaseCache(self._starter.start)  # fork bases by shipment digest
         if pooled or host:
             self._start_forkserver()
 
@@ -197,21 +197,25 @@ class DpexWorker:
         base: ForkBase | None = None
         child: SessionProcess | None = None
         try:
-            if spec.replaces in self._recent:  # a changed dataset's: not kept idle
-                self._recent.remove(spec.replaces)
+            self._bases.forget(spec.replaces)  # a changed dataset's: not kept idle
             if shipped is None:  # on the trainer's node: its memfd (dpex._shipfile)
                 shipped = spec.local
                 if shipped is not None and shipped.node_id != self.placement["node_id"]:
-                    raise WorkerStartupError(
+                    raise ShipmentUnavailable(
                         f"the trainer's copy of the dataset is on node {shipped.node_id}, "
                         f"this worker on {self.placement['node_id']}")
-            base = await self._base_for(spec.shipment, shipped)
-            if base is not None:
-                base.sessions += 1
-                if isinstance(shipped, Parcel):
-                    shipped.take()  # the base holds it: this call keeps no view of it
+            try:
+                base = await self._bases.base_for(
+                    spec.shipment, shipped.view() if isinstance(shipped, Parcel) else shipped)
+            except LookupError as exc:
+                raise WorkerStartupError(str(exc)) from None
+            if base is not None and isinstance(shipped, Parcel):
+                shipped.take()  # the base holds it: this call keeps no view of it
+            view = self._ray_view  # (a fleet's session: its trainer's namespace)
+            if view is not None and view.namespace is None and spec.namespace is not None:
+                view = view._replace(namespace=spec.namespace)
             child = SessionProcess(SessionWorker, spec, shipped, self.placement,
-                                   self.session_timeout, self._ray_view, base)
+                                   self.session_timeout, view, base)
             with self._lock:
                 self._children.add(child)
             await loop.run_in_executor(None, child.start)
@@ -224,50 +228,8 @@ class DpexWorker:
                     self._children.discard(child)
                     for name, n in child.counters().items():
                         self._counters[name] += n
-            if base is not None:
-                base.sessions -= 1
-                self._retire_bases()
+            self._bases.release(base)
         child.raise_outcome()
-
-    async def _base_for(self, key: str | None, shipped: Parcel | bytes) -> ForkBase | None:
-        """The fork base of shipment ``key``, started (from this call's ``shipped``) if
-        there is none or it died; None when it cannot be used."""
-        if key is None:
-            return None
-        if key in self._recent:
-            self._recent.remove(key)
-        self._recent.append(key)
-        pending = self._bases.get(key)
-        if pending is not None and pending.done():
-            failed = pending.exception() is not None
-            if not failed and (pending.result() is None or pending.result().alive()):
-                return pending.result()
-            pending = None  # it failed to start, or died (killed): start another
-        if pending is None:
-            self._retire_bases()
-            data = shipped.view() if isinstance(shipped, Parcel) else shipped
-            if data is None:
-                raise WorkerStartupError("no copy of the dataset reached this worker")
-            pending = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
-                None, self._starter.start, key, data))
-            self._bases[key] = pending
-        return await asyncio.shield(pending)
-
-    def _retire_bases(self) -> None:
-        """Stop the fork bases no session uses, but those of the ``IDLE_BASES`` latest
-        shipments (a trainer's next iterators fork from them while its datasets are
-        unchanged: a train and a validation loader take turns)."""
-        keep = set(self._recent[-IDLE_BASES:])
-        del self._recent[:-IDLE_BASES]
-        for key, pending in list(self._bases.items()):
-            if key in keep or not pending.done() or pending.exception() is not None:
-                continue
-            base = pending.result()
-            if base is None or base.sessions == 0:
-                del self._bases[key]
-                if base is not None:
-                    base.stop()
-
 
     async def _serve_here(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
         """Serve one session in this process (:class:`SessionServer`)."""
@@ -281,19 +243,19 @@ def _prepare_base(ray_view: JobView | None, path: list[str]) -> None:
     Ray calls of the dataset's unpickling join the worker's cluster (a base that
     connects to Ray is then not forked from: its Ray threads would not live through a
     fork)."""
-    environ, _, cwd = _START_STATE
-    _restore((environ, path, cwd))
+    environ, _, cwd = START_STATE
+    restore_state((environ, path, cwd))
     if ray_view is not None:
         from dpex._ray_connect import join_on_first_call
 
         join_on_first_call(ray_view)
 
 
-def _import_libraries(data: bytes) -> None:
+def _import_libraries(data: bytes) -> None:  # (its base is not watched)
     """A library base's load: import the modules named in ``data`` (one per line)."""
-    from dpex.server._forkserver_preload import _import_all
+    from dpex.server._forkserver_preload import import_all
 
-    _import_all(data.decode().split())
+    import_all(data.decode().split())
 
 
 class _Bases:
@@ -322,9 +284,10 @@ class _Bases:
             old, self._parent = self._parent, None
         if old is not None:
             old.stop()  # (the bases forked from it live on)
-        parent = ForkBase(_context(), "libraries")
+        parent = ForkBase(mp_context(), "libraries")
         try:
-            parent.start("\n".join(names).encode(), self._prepare(), _import_libraries)
+            parent.start("\n".join(names).encode(), self._prepare(), _import_libraries,
+                         watch=False)
         except BaseUnsafe as exc:
             logger.info("dpex: %s; fork bases start from the forkserver", exc)
             with self._lock:
@@ -336,12 +299,16 @@ class _Bases:
 
     def start(self, key: str, data: Any) -> ForkBase | None:
         """A started fork base for shipment ``key`` (blocking), None if it cannot be used."""
-        base = ForkBase(_context(), key, parent=self._library_base())
+        base = ForkBase(mp_context(), key, parent=self._library_base())
         try:
-            base.start(data, self._prepare(), _load)
+            base.start(data, self._prepare(), load_shipped)
         except BaseUnsafe as exc:
             logger.warning("%s: each session unpickles the dataset itself", exc)
             return None
+        if base.per_worker is not None:
+            logger.info("dpex: %s, so each worker unpickles its own copy of the dataset "
+                        "(as under torch's spawn); its tensors and arrays stay shared",
+                        base.per_worker)
         with self._lock:
             self._libraries.update(dict.fromkeys(base.libraries))
         return base

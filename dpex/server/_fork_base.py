@@ -1,5 +1,54 @@
-"""A fork base: one process per shipped loader on a worker host, holding the loader
-unpickled once; the host's sessions of that loader are forked from it.
+"""A fork base: one process per shipped loader on a worker host, holding the loader's
+shipment (and, where that is exact, the loader unpickled once); the host's sessions of
+that loader are forked from it.
+
+NOTE [ The worker host's processes ]  (the other modules of the wing point here)
+
+One shipment goes: the trainer pickles the loader at ``iter()``
+(``client/_shipping.py``), writes it into a sealed memfd (``_shipfile.Delivery``),
+hands each worker on its node a reference to it (``client/_workers.deliver``), the
+host finds or starts the base of that digest (``_base_cache.BaseCache``), the base maps
+the memfd and unpickles, and the session is forked from the base
+(``_session_process``) and serves (``_session``, ``_task_runner``).
+
+[ trainer process ]
+  Holds the loader, and per iterator one ``Delivery``: the memfd (sealed, written
+  straight from the tensors' memory) and, put only when first needed, the object
+  store's copy (a worker on another node, a host that could not use the memfd), which
+  the loader keeps for its next iterator. Starts the hosts (``client/_workers``, early
+  at construction while Ray runs: ``start_hosts_early``) and keeps them idle for
+  ``warm_worker_timeout`` (``client/_warm``). Its copy of the dataset: the memfd
+  closes once every first worker said HELLO, or at the iterator's end where it is
+  kept (``Delivery.kept``: its pages are the base's own); a worker whose host could
+  not use it starts again from the object store (``ShipmentUnavailable``).
+[ host actor ]  ``_actor.DpexWorker(host=True)``, one per node and actor options
+  A Ray actor reserving nothing; dies with the trainer's job (Ray), or when the warm
+  pool lets it go. Holds no copy of the dataset: a serve call's bytes (the object
+  store's view) go to a base and are dropped. Owns its forkserver, the library base,
+  its fork bases (``BaseCache``: the 3 latest digests kept idle, a replaced one
+  stopped at once) and its sessions' handles; kills a hung session alone.
+[ forkserver ]  multiprocessing's, started by the host (``prestart``)
+  torch, Ray and dpex imported; no dataset. Watches its pipe to the host.
+[ library base ]  a ``ForkBase`` forked from the forkserver
+  Imports the installed libraries earlier bases' loaders imported, so a new
+  dataset's base imports nothing again; no dataset. Watches its pipe to the host;
+  replaced when another library is needed (the bases forked from it live on).
+[ fork base ]  a ``ForkBase`` per digest, forked from the library base or forkserver
+  Maps the trainer's memfd copy-on-write (from the object store: a private copy of its
+  bytes), unpickles the loader once under an ``UnpicklingWatch``, freezes the garbage
+  collector's view and runs multiprocessing's forkserver loop. Holds the shipment's
+  pages; and the unpickled loader, unless unpickling ran the dataset's own code or
+  left a descriptor open (then each session unpickles its own over those pages, as
+  under torch's ``spawn``: ``_unpickling``). Says ``unavailable`` and exits when the
+  memfd is gone, ``unsafe`` when unpickling left threads. Ends when the host closes
+  its pipe (retired by the ``BaseCache``) or dies; its copy of the dataset goes with
+  it and with the last session that shares its pages.
+[ session process ]  ``_session_process.SessionProcess``, forked from the base
+  One worker of one iterator: its seeds, ``get_worker_info()``, ``worker_init_fn``,
+  ring and sockets, as a fresh torch worker. Its dataset: the base's pages until it
+  writes them (or its own unpickling over them). Ends when its trainer ends the
+  session, when its pipe to the host reports stop or end of file (the host died), or
+  when the host kills it (hung).
 
 torch's workers are forks of the trainer and share its dataset copy-on-write. A dpex
 host (a worker actor serving several sessions, each in a process of its own) gets
@@ -15,26 +64,18 @@ session as in a fresh torch worker, and the dataset's pages are shared until wri
 strings torch users know from pytorch/pytorch#13246 is copied page by page into a
 session that reads it, as into torch's forks).
 
-The pickled bytes cross to the base through a pipe and are dropped once unpickled:
-the host keeps none (its argument is a view of the node's object store copy).
-
 A dataset whose unpickling leaves a thread running (it connected to Ray, started a
 pool) would make every session a fork of a multi-threaded process; such a base says
 so (``unsafe``) and exits, and the host serves that loader's sessions as before, each
 unpickling its own copy (:class:`~dpex.server._session_process.SessionProcess`
 without a base).
-
-Ownership: the host's :class:`ForkBase` starts the base and stops it (closes the
-pipe it watches, as multiprocessing's forkserver watches its own); the base also
-ends when the host dies, and its sessions when the host does (they watch a pipe to
-it too). A base lives as long as sessions of its loader run, and the host keeps the
-last one idle for its next iterator (an unchanged dataset is the same object).
 """
 
 from __future__ import annotations
 
 import gc
 import io
+import mmap
 import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.popen_forkserver
@@ -49,7 +90,8 @@ from multiprocessing import connection, reduction, spawn
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dpex._shipfile import ShipmentRef, map_shipment
+from dpex._shipfile import ShipmentRef, ShipmentUnavailable, map_shipment
+from dpex.server._unpickling import UnpicklingWatch
 
 __all__ = ["ForkBase", "PRELOADED", "BaseUnsafe", "preloaded", "enter_base_state"]
 
@@ -59,6 +101,17 @@ _READY_S = 600.0  # how long a host waits for a base to unpickle its loader
 # unpickling raised), and its directory and sys.path once the trainer's were applied.
 _LOADED: Any = None
 _STATE: tuple[str, list[str]] | None = None
+
+
+class _PerWorker:
+    """A base whose loader each session unpickles itself, over the base's copy of the
+    shipment (``data``: its buffers are lent, so the tensors and arrays stay the base's
+    pages): unpickling it ran the dataset's own code or opened a descriptor (``why``)."""
+
+    __slots__ = ("load", "data", "why")
+
+    def __init__(self, load: Callable[..., Any], data: Any, why: str) -> None:
+        self.load, self.data, self.why = load, data, why
 
 
 class _Preloaded:
@@ -82,6 +135,8 @@ def preloaded() -> Any:
     raised, a :class:`~dpex.errors.WorkerStartupError`)."""
     if isinstance(_LOADED, BaseException):
         raise _LOADED
+    if isinstance(_LOADED, _PerWorker):  # this worker's own unpickling, as under spawn
+        return _LOADED.load(_LOADED.data, lend=True)
     if _LOADED is None:
         raise RuntimeError("this process was not forked from a dpex fork base")
     return _LOADED
@@ -125,18 +180,36 @@ def _threads() -> int:
 
 
 def _base_main(address: str, alive: Connection, link: Connection,
-               prepare: Callable[[], None], load: Callable[[bytes], Any]) -> None:
+               prepare: Callable[[], None], load: Callable[..., Any],
+               watch: bool = True) -> None:
     """The base: ``prepare()`` the process, take the pickled loader from ``link`` and
-    ``load`` it, say there whether it is ready, then fork sessions until ``alive``
-    reaches its end."""
+    ``load`` it (``watch``-ed: see :mod:`dpex.server._unpickling`), say there whether it
+    is ready, then fork sessions until ``alive`` reaches its end."""
     global _LOADED, _STATE
     prepare()  # (as the host started, not as its forkserver did)
     before = set(sys.modules)
+    per_worker: str | None = None
     try:
         source = link.recv()  # the trainer's memfd (dpex._shipfile), or bytes to follow
-        _LOADED = load(map_shipment(source) if source is not None else link.recv_bytes())
+        data = map_shipment(source) if source is not None else _private(link.recv_bytes())
+    except ShipmentUnavailable as exc:  # (gone before this base could map it: the host
+        link.send(("unavailable", str(exc)))  # gets the object store's copy instead)
+        return
+    try:
+        if watch:
+            with UnpicklingWatch() as watching:
+                _LOADED = load(data, unpickler=watching.unpickler)
+            gc.collect()
+            opened = watching.opened()
+            if watching.foreign is not None or opened:
+                per_worker = (f"unpickling it runs {watching.foreign}" if watching.foreign
+                              else f"unpickling it opens {', '.join(opened)}")
+                _LOADED = _PerWorker(load, data, per_worker)  # (the trial copy goes)
+        else:
+            _LOADED = load(data)
     except BaseException as exc:  # noqa: BLE001 - each session raises it as its own
         _LOADED = exc
+    del data  # (a shared loader holds what it needs of it)
     gc.collect()
     threads = _threads()
     if threads > 1 or ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
@@ -152,9 +225,19 @@ def _base_main(address: str, alive: Connection, link: Connection,
     # with this frame) would close its number again when collected.
     alive_fd = os.dup(alive.fileno())
     alive.close()
-    link.send(("ready", libraries_since(before)))
+    link.send(("ready", libraries_since(before), per_worker))
     link.close()
     multiprocessing.forkserver.main(listener.detach(), alive_fd, [])
+
+
+def _private(data: bytes) -> memoryview:
+    """``data`` copied into a private anonymous mapping: the base's forks share its pages
+    until they write them (a worker that unpickles its own loader lends its buffers from
+    it, where ``bytes`` would make it copy each)."""
+    mapped = mmap.mmap(-1, max(len(data), 1), flags=mmap.MAP_PRIVATE,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mapped[:len(data)] = data
+    return memoryview(mapped)[:len(data)]
 
 
 class _Server(multiprocessing.forkserver.ForkServer):
@@ -222,6 +305,7 @@ class ForkBase:
         self.key = key
         self.sessions = 0  # live sessions forked from it (the host's count)
         self.libraries: list[str] = []  # what loading imported from installed libraries
+        self.per_worker: str | None = None  # why each session unpickles its own loader
         self._ctx = ctx
         self._parent = parent
         self._proc: Any = None
@@ -229,19 +313,21 @@ class ForkBase:
         self._server: _Server | None = None
         self._lock = threading.Lock()
 
-    def start(self, data: Any, prepare: Callable[[], None], load: Callable[[bytes], Any],
-              timeout: float = _READY_S) -> None:
+    def start(self, data: Any, prepare: Callable[[], None], load: Callable[..., Any],
+              timeout: float = _READY_S, watch: bool = True) -> None:
         """Fork the base, hand it ``data`` (the pickled loader, a bytes-like object, or
         a :class:`~dpex._shipfile.ShipmentRef` to the trainer's memfd holding it) and
         wait until ``load(data)`` is done there (after ``prepare()``; both pickled by
-        reference); raises :class:`BaseUnsafe` when it cannot be used (then nothing is
-        left running)."""
+        reference; ``watch``: ``load`` takes an ``unpickler`` and a ``lend`` keyword and
+        the base watches what unpickling does, :mod:`dpex.server._unpickling`); raises
+        :class:`BaseUnsafe` when it cannot be used, :class:`ShipmentUnavailable` when
+        the memfd ``data`` names is gone (then nothing is left running)."""
         address = connection.arbitrary_address("AF_UNIX")
         alive_r, alive_w = self._ctx.Pipe(duplex=False)
         link, base_link = self._ctx.Pipe()
         start = self._ctx.Process if self._parent is None else self._parent.process
         proc = start(target=_base_main, name=f"dpex-fork-base-{self.key[:8]}", daemon=True,
-                     args=(address, alive_r, base_link, prepare, load))
+                     args=(address, alive_r, base_link, prepare, load, watch))
         proc.start()
         alive_r.close()
         base_link.close()
@@ -263,11 +349,14 @@ class ForkBase:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(5.0)
+            if said[0] == "unavailable":
+                raise ShipmentUnavailable(said[1])
             raise BaseUnsafe(f"dpex fork base for this loader: {said[1]}")
         with self._lock:
             self._proc, self._alive = proc, alive_w
             self._server = _Server(address, alive_w.fileno(), proc)
             self.libraries = list(said[1])
+            self.per_worker = said[2]
 
     def alive(self) -> bool:
         with self._lock:

@@ -58,7 +58,7 @@ def _thread_name(tid: int) -> str:
         return f"thread {tid}"
 
 
-def _import_all(names: list[str]) -> dict[int, str]:
+def import_all(names: list[str]) -> dict[int, str]:
     """Import ``names`` in order, skipping those that fail; the threads each import
     started (by native id) with the module's name."""
     started: dict[int, str] = {}
@@ -110,7 +110,7 @@ def _preload(path: str) -> None:
             names = f.read().split()
     except OSError:
         return
-    started = _import_all(names)
+    started = import_all(names)
     if not started:
         return
     kept = sorted(t for t in _threads_through_a_fork() if t in started)

@@ -11,6 +11,9 @@ as a worker of torch's does.
 Ownership: the ``serve`` call that starts a :class:`SessionProcess` stops it
 (``stop()``: ask, wait, kill). The child watches its end of a pipe to the fleet
 worker and ends its session when the worker asks or dies (end of file).
+
+The host wing's processes, what each holds and when it ends: NOTE [ The worker
+host's processes ] in :mod:`dpex.server._fork_base`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dpex.server._fork_base import PRELOADED, ForkBase, enter_base_state, librar
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
 
-__all__ = ["SessionProcess", "prestart"]
+__all__ = ["START_STATE", "SessionProcess", "mp_context", "prestart", "restore_state"]
 
 COUNTERS = ("batches_sent", "bytes_sent", "control_rejected")
 _PRELOAD = ["ray", "dpex.server._actor"]  # what every session would import again
@@ -56,11 +59,11 @@ def _process_state() -> tuple[dict, list, str | None]:
 # inherits the environment, working directory and sys.path of the moment it starts,
 # and a warm worker starts it only after its first session, which ran in the actor
 # and may have changed them (a worker_init_fn setting a variable).
-_START_STATE = _process_state()
+START_STATE = _process_state()
 _START_MODULES = frozenset(sys.modules)
 
 
-def _restore(state: tuple[dict, list, str | None]) -> None:
+def restore_state(state: tuple[dict, list, str | None]) -> None:
     environ, path, cwd = state
     os.environ.clear()
     os.environ.update(environ)
@@ -72,7 +75,7 @@ def _restore(state: tuple[dict, list, str | None]) -> None:
             pass  # gone since: stay where the forkserver is
 
 
-def _context() -> Any:
+def mp_context() -> Any:
     config = multiprocessing.current_process()._config  # (where get_temp_dir() looks)
     if config.get("tempdir") is None:
         mine = _temp_dir()
@@ -123,7 +126,7 @@ def prestart() -> None:
     (docs/WARM_WORKERS.md). Only modules of installed libraries, never the user's own
     code or ``__main__``; a session still gets them with no state of the first one's,
     since the forkserver only imported them."""
-    ctx = _context()
+    ctx = mp_context()
     listed = _preload_file(library_modules())
     if listed is None:
         multiprocessing.forkserver.ensure_running()
@@ -147,7 +150,7 @@ def library_modules() -> list[str]:
 
 def _preload_file(names: list[str]) -> str | None:
     """Write ``names`` to a file in multiprocessing's temp directory of this process
-    (see :func:`_context`); its path, or None when there is nothing to write or
+    (see :func:`mp_context`); its path, or None when there is nothing to write or
     nowhere to write it."""
     if not names:
         return None
@@ -174,7 +177,7 @@ class SessionProcess:
         holds this session's loader unpickled (:mod:`dpex.server._fork_base`), which the
         child is forked from; without, it is forked from the worker's forkserver and
         unpickles ``shipped`` itself."""
-        ctx = _context()
+        ctx = mp_context()
         self.counts = ctx.RawArray("q", len(COUNTERS))  # written by the child
         self._conn, child_end = ctx.Pipe()
         self._child_end: Connection | None = child_end
@@ -183,7 +186,7 @@ class SessionProcess:
         self._proc = (ctx.Process if base is None else base.process)(
             target=_main, name=f"dpex-session-{spec.worker_id}", daemon=True,
             args=(worker_class, spec, shipped, placement, session_timeout, self.counts,
-                  child_end, ray_view, None if base is not None else _START_STATE))
+                  child_end, ray_view, None if base is not None else START_STATE))
         self.worker_id = spec.worker_id
         self.session_id = getattr(spec.wire, "session_id", None)
         self._lock = threading.Lock()  # start and stop run on executor threads
@@ -268,22 +271,13 @@ class SessionProcess:
             raise self._outcome
 
 
-def _read(ref: ShipmentRef) -> memoryview:
-    try:
-        return map_shipment(ref)
-    except OSError as exc:
-        from dpex.errors import WorkerStartupError
-
-        raise WorkerStartupError(f"cannot read the shipped dataset: {exc}") from exc
-
-
 def _main(worker_class: type, spec: Any, shipped: Any, placement: dict,
           session_timeout: float, counts: Any, conn: Connection,
           ray_view: JobView | None = None,
           start_state: tuple[dict, list, str | None] | None = None) -> None:
     """The child: serve one session until it ends, the fleet worker asks, or dies."""
     if start_state is not None:
-        _restore(start_state)  # as the worker started, not as its forkserver did
+        restore_state(start_state)  # as the worker started, not as its forkserver did
     if shipped is PRELOADED:  # forked from a fork base: the trainer's state, applied there
         enter_base_state()
     if ray_view is not None:
@@ -297,7 +291,8 @@ def _main(worker_class: type, spec: Any, shipped: Any, placement: dict,
     outcome: BaseException | None = None
     try:
         if isinstance(shipped, ShipmentRef):  # the trainer's memfd: read before HELLO,
-            shipped = _read(shipped)  # after which the trainer may close it
+            shipped = map_shipment(shipped)  # after which the trainer may close it
+            # (ShipmentUnavailable goes back as it is: the trainer starts it again)
         worker = worker_class(placement, session_timeout, counts)
         asyncio.run(worker.serve_until_told(spec, shipped, conn))
     except BaseException as exc:

@@ -44,7 +44,7 @@ from dpex.server._rng import (
 )
 from dpex.server._trainer_state import enter_trainer_state
 
-__all__ = ["TaskRunner"]
+__all__ = ["TaskRunner", "load_shipped"]
 
 logger = logging.getLogger("dpex")
 
@@ -61,24 +61,22 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
     return seed
 
 
-def _load(shipped: Any) -> ShippedLoader:
+def load_shipped(shipped: Any, *, lend: bool | None = None, unpickler: Any = None) -> ShippedLoader:
     """The shipped loader, unpickled from bytes or from a :class:`Parcel` (taken: its
     bytes are not kept once unpickled), or the one the fork base this process was
-    forked from unpickled (:data:`~dpex.server._fork_base.PRELOADED`)."""
+    forked from unpickled (:data:`~dpex.server._fork_base.PRELOADED`). ``lend`` and
+    ``unpickler``: as :func:`dpex._framed.loads` takes them."""
     if shipped is PRELOADED:
         return preloaded()
-    if isinstance(shipped, ShipmentRef):  # the trainer's memfd, on its node
-        try:
-            shipped = map_shipment(shipped)
-        except OSError as exc:
-            raise WorkerStartupError(f"cannot read the shipped dataset: {exc}") from exc
+    if isinstance(shipped, ShipmentRef):  # the trainer's memfd, on its node (if it is
+        shipped = map_shipment(shipped)  # gone: ShipmentUnavailable, the trainer retries)
     if isinstance(shipped, Parcel):
         shipped = shipped.take()
         if shipped is None:
             raise WorkerStartupError("the shipped loader was unpickled once already")
     shipped = enter_trainer_state(shipped)  # the trainer's directory and env first
     try:
-        return _framed.loads(shipped)
+        return _framed.loads(shipped, lend=lend, unpickler=unpickler)
     except ModuleNotFoundError as exc:
         raise WorkerStartupError(
             f"cannot unpickle the dataset: this worker cannot import module {exc.name!r}, "
@@ -115,7 +113,7 @@ class TaskRunner:
         self._rng = RngLog(spec.rng_keep)
         self._recorder = RngRecorder()
         self._dataset_state_failed = False
-        self.loader: ShippedLoader = _load(shipped)
+        self.loader: ShippedLoader = load_shipped(shipped)
         torch.set_num_threads(1)
         self._setup(spec)
 
