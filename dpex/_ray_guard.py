@@ -25,11 +25,17 @@ from typing import Any
 
 import ray
 
-__all__ = ["RayDown", "ray_up", "job_id", "get", "wait", "kill", "cancel", "call"]
+__all__ = ["RayDown", "actor_id", "ray_up", "job_id", "get", "wait", "kill", "cancel", "call"]
 
 
 class RayDown(RuntimeError):
     """Ray is not connected (the user shut it down): the call would have started it."""
+
+
+def actor_id(actor: Any) -> str:
+    """An actor handle's id (hex): the one reader of Ray's private ``_actor_id``, which
+    a handle has from its creation, so no call is made."""
+    return actor._actor_id.hex()
 
 
 def ray_up() -> bool:

@@ -1,6 +1,10 @@
 """A trainer process's worker hosts: the actor options they start with, and which
 live host each (options, node) has (:mod:`dpex.client._workers` starts and uses them;
-docs/WARM_WORKERS.md)."""
+docs/WARM_WORKERS.md).
+
+The host wing's processes, what each holds and when it ends: NOTE [ The worker
+host's processes ] in :mod:`dpex.server._fork_base`.
+"""
 
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ class SharedHosts:
         """A host died: no group takes it again."""
         with self._lock:
             for where, (host, _, _) in list(self._hosts.items()):
-                if host._actor_id.hex() == host_id:
+                if _ray_guard.actor_id(host) == host_id:
                     del self._hosts[where]
 
 

@@ -134,7 +134,7 @@ class WarmPool:
     def actor_ids(self) -> set[str]:
         """The Ray actor ids of every idle and returning actor."""
         with self._lock:
-            return {e.actor._actor_id.hex() for e in self._idle + self._returning}
+            return {_ray_guard.actor_id(e.actor) for e in self._idle + self._returning}
 
     def release(self) -> int:
         """Kill every idle and returning actor now; return how many. With Ray shut

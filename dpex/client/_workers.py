@@ -4,6 +4,9 @@ Placement follows :mod:`dpex._placement`: by default a worker reserves
 nothing and dpex picks its node; what the user asks Ray to reserve is honoured
 exactly. Every group of this process is known to :func:`live_groups`, which spreads
 the next group's workers and names who holds what when a request waits.
+
+The host wing's processes, what each holds and when it ends: NOTE [ The worker
+host's processes ] in :mod:`dpex.server._fork_base`.
 """
 
 from __future__ import annotations
@@ -187,7 +190,7 @@ class WorkerGroup:
     def _host(self, node: str | None, wait: bool) -> Any:
         """This group's live host on ``node``: its own, one from the warm pool, or new."""
         host = self._hosts.get(node)
-        if host is not None and host._actor_id.hex() not in self._lost:
+        if host is not None and _ray_guard.actor_id(host) not in self._lost:
             return host
         host = _hosts.SHARED.take(self._key, node, self.group_id)
         if host is not None:  # another live loader's: shared
@@ -196,10 +199,10 @@ class WorkerGroup:
         host = POOL.take(self._key, node, wait=wait)
         if host is None:
             host = new_host(self._actor_class, self.options, node, self.keep_s)
-        elif host._actor_id.hex() in _hosts.EARLY:  # started early (fresh), not reused
-            _hosts.EARLY.discard(host._actor_id.hex())
+        elif _ray_guard.actor_id(host) in _hosts.EARLY:  # started early (fresh), not reused
+            _hosts.EARLY.discard(_ray_guard.actor_id(host))
         else:
-            self._reused.add(host._actor_id.hex())
+            self._reused.add(_ray_guard.actor_id(host))
         self._hosts[node] = host
         _hosts.SHARED.add(self._key, node, self.group_id, host)
         return host
@@ -214,14 +217,14 @@ class WorkerGroup:
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
         self._session_ids[spec.worker_id] = getattr(spec.wire, "session_id", None)
-        if host is not None and host._actor_id.hex() in self._reused:
+        if host is not None and _ray_guard.actor_id(host) in self._reused:
             self.warm.add(spec.worker_id)
         else:
             self.warm.discard(spec.worker_id)
         ref = actor.serve.remote(named_shipment(spec, shipped), shipped)
         self._calls[spec.worker_id] = ref
         lost = None if host is None else functools.partial(
-            self._host_lost, host._actor_id.hex())
+            self._host_lost, _ray_guard.actor_id(host))
         # Ray fails this reference as soon as the actor dies (process killed, node
         # lost): liveness without polling.
         ref.future().add_done_callback(report_exit(self.events, spec.worker_id,
@@ -340,7 +343,7 @@ class WorkerGroup:
                 pass  # already finished, or Ray shut down
         self._calls.clear()
         for node, host in self._hosts.items():
-            if host._actor_id.hex() in self._lost or not last[node]:
+            if _ray_guard.actor_id(host) in self._lost or not last[node]:
                 continue  # (another live loader's still: it hands it on when it stops)
             refs = [ref for actor, ref in calls.values() if actor is host]
             if self.keep_s > 0:
@@ -380,7 +383,7 @@ def start_hosts(worker_class: type, ray_remote_args: Mapping[str, Any], num_work
     for node in dict.fromkeys(_nodes_for(num_workers)):
         if not POOL.has_idle(key, node) and not _hosts.SHARED.has(key, node):
             host = new_host(actor_class, options, node, keep_s)
-            _hosts.EARLY.add(host._actor_id.hex())
+            _hosts.EARLY.add(_ray_guard.actor_id(host))
             POOL.keep_idle(host, key, node, keep_s)
             started += 1
     return started
@@ -412,7 +415,7 @@ class WorkerProcess:
             return True
         if not ray.is_initialized():
             return False
-        info = ray._private.state.state.actor_table(self._actor._actor_id.hex())
+        info = ray._private.state.state.actor_table(_ray_guard.actor_id(self._actor))
         return bool(info) and info.get("State") != "DEAD"
 
     def join(self, timeout: float | None = None) -> None:
