@@ -207,10 +207,6 @@ class DpexDataLoader(DataLoader[T_co]):
         self._slot = IteratorSlot()  # the current iterator (see dpex/client/resume/_slot.py)
         self._live = LiveIterators()  # the dpex iterators close() stops
         self._final_stats: dict = {}  # what the newest one to shut down reported last
-        # (digest, object ref) of the last shipped dataset: an iterator whose pickled
-        # dataset, collate_fn and worker_init_fn are the same bytes reuses the object
-        # the workers' nodes already hold instead of putting (and moving) it again.
-        self._shipped: tuple[bytes, Any] | None = None
         # What load_state_dict() loaded and no iterator has taken yet (travels with the
         # configuration: a spawned rank resumes from it).
         self.__dict__.setdefault("_resume_plan", None)
@@ -219,7 +215,7 @@ class DpexDataLoader(DataLoader[T_co]):
         """The configuration only (for ``mp.spawn``, Lightning's ``ddp_spawn``): live
         iterators, their workers and counters stay with the process that made them."""
         state = dict(self.__dict__)
-        for name in ("_iterator", "_slot", "_live", "_final_stats", "_shipped"):
+        for name in ("_iterator", "_slot", "_live", "_final_stats"):
             state.pop(name, None)
         return state
 

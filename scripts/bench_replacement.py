@@ -33,6 +33,7 @@ def one(kill: str, mib: int) -> None:
     import ray
 
     from dpex import DpexDataLoader
+    from dpex.client._shipment import SHIPPED
 
     cloudpickle.register_pickle_by_value(dsets)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
@@ -50,7 +51,7 @@ def one(kill: str, mib: int) -> None:
     os.kill(info[1]["session_pid"] if kill == "session" else info[0]["pid"], signal.SIGKILL)
     batches = 10 + sum(1 for _ in it)
     ready = [r["ready_at"] - r["reported_at"] for r in it.stats()["recoveries"]]
-    print(f"RESULT {kill} {max(ready):.3f} {batches} {loader._shipped[1] is not None}")
+    print(f"RESULT {kill} {max(ready):.3f} {batches} {SHIPPED.last(loader)[1] is not None}")
 
 
 def main() -> None:

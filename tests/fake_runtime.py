@@ -363,6 +363,32 @@ class Runtime:
             self.workers.stop()
 
 
+class Delivery:
+    """The shipped loader's delivery as the driver and a worker group use it
+    (dpex._shipfile.Delivery), with nothing behind it: the stand-in workers need no
+    dataset."""
+
+    digest = b"\1" * 16
+    node_id = "node"
+    kept = False
+    fallbacks = 0
+
+    def lend(self):
+        return None
+
+    def object_ref(self):
+        return "ref"
+
+    def release_local(self) -> None:
+        pass
+
+    def refuse_local(self) -> None:
+        self.fallbacks += 1
+
+    def closer(self):
+        return lambda: None
+
+
 class Owner:
     """The iterator's part: it owns the driver and is told when the driver stops it."""
 
@@ -396,7 +422,7 @@ def driver(num_workers=2, startup_timeout=120.0, max_restarts=3, *, live=False,
     owner.driver = d = EpochDriver(
         runtime, handoff, DpexConfig(startup_timeout=startup_timeout,
                                      max_worker_restarts=max_restarts, **config),
-        plan, Seeds(base=100, shared=None), ship=lambda: ("ref", False), shipped_bytes=10,
+        plan, Seeds(base=100, shared=None), ship=lambda: (Delivery(), False), shipped_bytes=10,
         node_id="node", prefetch_factor=2, in_order=True, iterable=iterable, timeout=0,
         on_stop=owner.stop, on_scaled=owner.scaled.append,
         free_resources=lambda: {"CPU": 0.0})

@@ -55,11 +55,39 @@ class SlowOnce(dsets.Squares):
                 time.sleep(self.hold)
         return super().__getitem__(i)
 
+class AsksNamedActor(dsets.Squares):
+    """Squares, each item plus what this trainer's named actor answers: a fleet session
+    finds the actor only in the trainer's namespace."""
+
+    ACTOR = "dpex-test-answer"
+
+    def __getitem__(self, i: int):
+        import ray
+
+        row, n = super().__getitem__(i)
+        return row + ray.get(ray.get_actor(self.ACTOR).value.remote()), n
+
+
+def _answer_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Answer:
+        def value(self) -> int:
+            return 1000
+
+    return Answer
+
+
+Answer = None if __name__ != "__main__" else _answer_class()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--address", required=True)
     p.add_argument("--fleet", required=True)
-    p.add_argument("--dataset", choices=["probe", "squares", "images", "slowstop"], default="probe")
+    p.add_argument("--dataset", choices=["probe", "squares", "images", "slowstop", "named"],
+                   default="probe")
     p.add_argument("--cut-link", default=None,
                    help="VETH:AFTER:SECONDS: after AFTER batches, take VETH down for SECONDS")
     p.add_argument("--epochs", type=int, default=2)
@@ -83,10 +111,17 @@ def main() -> None:
 
     dataset = {"probe": dsets.SeedProbe, "images": lambda: dsets.Images(48),
                "squares": lambda: dsets.Squares(160, max_sleep=0.01),
-               "slowstop": lambda: SlowOnce(160, args.slow_flag)}[args.dataset]()
+               "slowstop": lambda: SlowOnce(160, args.slow_flag),
+               "named": lambda: AsksNamedActor(32)}[args.dataset]()
     kw = {"batch_size": 4, "num_workers": 2, "shuffle": True, "persistent_workers": True}
+    if args.dataset == "named":  # this trainer's named actor, in its own namespace
+        from dpex._ray_connect import connect_ray
+
+        connect_ray(args.address)
+        answer = Answer.options(name=AsksNamedActor.ACTOR).remote()  # noqa: F841 (kept)
+    reference = dict(kw, num_workers=0) if args.dataset == "named" else kw  # (Ray here)
     expected = dsets.epochs(dsets.torch_loader(dataset, generator=torch.Generator().manual_seed(7),
-                                               **kw), args.epochs)
+                                               **reference), args.epochs)
 
     def make() -> DpexDataLoader:
         return DpexDataLoader(dataset, generator=torch.Generator().manual_seed(7),

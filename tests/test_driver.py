@@ -35,7 +35,8 @@ from dpex.errors import (
 def test_the_driver_opens_its_runtime_and_starts_every_worker_with_its_spec():
     d, runtime, _, _ = driver(3)
     assert runtime.opened
-    assert runtime.workers.calls == [("start", [0, 1, 2], "ref")]
+    assert [call[:2] for call in runtime.workers.calls] == [("start", [0, 1, 2])]
+    assert runtime.workers.calls[0][2] is d.shipment
     assert [s.base_seed for s in d.specs] == [100] * 3
     assert {s.ring for s in d.specs} == {None}  # no ring could be made: the socket path
 

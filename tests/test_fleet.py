@@ -75,6 +75,14 @@ def test_two_trainers_at_once_get_exactly_torchs_batches(cluster, fleet):
     assert all(r[4] == "0" for r in rows)  # no session left open
 
 
+def test_a_sessions_ray_calls_see_its_trainers_namespace(cluster, fleet):
+    """A dataset that looks up its trainer's named actor (``ray.get_actor``) works on a
+    fleet as on the loader's own workers: the session joins the trainer's namespace.
+    Before, the lookup ran in an anonymous namespace of its own and failed."""
+    out = result(trainer(cluster, fleet, "--dataset", "named", "--epochs", "1"))
+    assert out["ok"] and out["stats"]["recoveries"] == []
+
+
 def test_a_trainer_resumes_mid_epoch_on_the_fleet_exactly(cluster, fleet):
     # SeedProbe: every batch carries its worker's RNG draws, equal to torch's only if the
     # resumed sessions start where the saved ones stood.

@@ -13,6 +13,7 @@ import torch
 from dsets import assert_same
 
 from dpex import DpexDataLoader
+from dpex.client import _shipment
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
@@ -21,9 +22,9 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 def fresh_shipments(monkeypatch):
     """This process has shipped no dataset yet (bytes shipped before do not keep their
     memfd: a host's base maps the first one's): other tests ship the same datasets."""
-    from dpex.client import _runtime
+    from dpex.client import _shipment
 
-    monkeypatch.setattr(_runtime, "_SHIPPED", {})
+    monkeypatch.setattr(_shipment, "SHIPPED", _shipment.ShipmentMemo())
 
 
 def ready(it, n):
@@ -100,7 +101,7 @@ def test_a_killed_host_loses_its_workers_which_move_to_a_new_host_uncharged():
     assert dsets.wait_gone(tree, 20.0) == []
     # The new host took the dataset from the trainer's memfd, kept open for this
     # iterator: nothing was pickled again into Ray's object store (before: a put).
-    assert loader._shipped[1] is None
+    assert _shipment.SHIPPED.last(loader)[1] is None
 
 
 def test_loaders_iterating_at_once_share_their_nodes_host():
@@ -138,7 +139,7 @@ def test_the_trainer_keeps_no_copy_of_the_dataset_once_its_workers_started(kept,
     it = iter(loader)
     next(it)
     info = ready(it, 2)
-    assert loader._shipped[1] is None  # no stored copy
+    assert _shipment.SHIPPED.last(loader)[1] is None  # no stored copy
     if kept:  # the trainer's one memfd, and its pages are what the workers map
         assert len(memfds()) == 1
         with open(f"/proc/{info[0]['session_pid']}/maps") as f:
@@ -156,7 +157,7 @@ def test_the_trainer_keeps_no_copy_of_the_dataset_once_its_workers_started(kept,
     # first's memfd; the second's is closed once its workers started (not a 2nd copy).
     assert memfds() == []
     assert len([*batches, *second]) == 128
-    assert loader.stats()["dataset_reused"] and loader._shipped[1] is None
+    assert loader.stats()["dataset_reused"] and _shipment.SHIPPED.last(loader)[1] is None
     del second
     gc.collect()
     # A loader built again over the same dataset (Lightning rebuilds its loaders): the

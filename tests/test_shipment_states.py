@@ -29,9 +29,9 @@ from dpex import _shipfile
 from dpex._framed import PickleParts
 from dpex._shipfile import ShipmentRef, ShipmentUnavailable, map_shipment
 from dpex._spec import WorkerSpec
-from dpex.client import _runtime
-from dpex.client._runtime import Shipment
-from dpex.client._workers import deliver, named_shipment
+from dpex.client import _shipment
+from dpex.client._shipment import Shipment
+from dpex.client._workers import deliver
 from dpex.server._base_cache import BaseCache
 
 NODE, OTHER = "t" * 56, "o" * 56
@@ -88,8 +88,7 @@ class Start:
         spec = WorkerSpec(wire=None, worker_id=worker, num_workers=1, base_seed=0,
                           data_address="", control_address="", keys=None, pooled=True,
                           shipment=it.digest, replaces=it.replaced)
-        self.spec, self.shipped = deliver(spec, it.shipment.ref, node, True, starting)
-        self.spec = named_shipment(self.spec, self.shipped)
+        self.spec, self.shipped = deliver(spec, it.shipment, node, True, starting)
 
 
 class Store:
@@ -127,9 +126,9 @@ class World:
             if it.loader is loader and it.live:
                 self.close(it)
         parts = self.parts(loader.content)
-        delivery, _, replaced, digest = _runtime.ship(
+        delivery, _, replaced, digest = _shipment.ship(
             loader, parts, lambda content=loader.content: self.parts(content))
-        delivery._put = self.store.put
+        delivery._put = self.store.put  # (Ray's object store: a dict here)
         it = Iterator(loader, delivery, digest, replaced, self.rng.randint(1, 3))
         self.iterators.append(it)
         for w in sorted(it.first):
@@ -138,14 +137,14 @@ class World:
 
     def close(self, it):
         it.live = False
-        it.shipment.ref.close()
+        it.shipment.delivery.close()
         for host, base in it.started.values():
             if host.alive:
                 host.cache.release(base)
 
     def drop(self, it):  # del: the iterator's finalizer closes its runtime, which holds
         it.live = False  # only the memfd's closer (Runtime.start)
-        it.shipment.ref.closer()()
+        it.shipment.delivery.closer()()
         for host, base in it.started.values():
             if host.alive:
                 host.cache.release(base)
@@ -265,7 +264,7 @@ class World:
 def wing(monkeypatch):
     monkeypatch.setattr(_shipfile, "KEEP_IN_BAND_BYTES", 1024)
     context = types.SimpleNamespace(get_node_id=lambda: NODE)
-    monkeypatch.setattr(_runtime.ray, "get_runtime_context", lambda: context)
+    monkeypatch.setattr(_shipment.ray, "get_runtime_context", lambda: context)
     loop = asyncio.new_event_loop()
     yield loop, monkeypatch
     loop.close()
@@ -277,7 +276,7 @@ def test_every_worker_start_finds_its_dataset_and_memfds_stay_one_per_dataset(wi
     baseline = len(open_memfds("dpex-shipment"))
     unavailable = 0
     for seed in range(SEQUENCES):
-        monkeypatch.setattr(_runtime, "_SHIPPED", {})  # a fresh training process
+        monkeypatch.setattr(_shipment, "SHIPPED", _shipment.ShipmentMemo())  # a fresh training process
         world = World(random.Random(seed), loop)
         for _ in range(STEPS):
             world.step()
@@ -302,7 +301,7 @@ def test_a_resume_right_after_iter_finds_its_dataset_though_the_memfd_went(wing)
     ``state_dict()`` and ``close()`` come before the host maps it (a new memfd takes
     its number), and a loader over an equal dataset resumes."""
     loop, monkeypatch = wing
-    monkeypatch.setattr(_runtime, "_SHIPPED", {})
+    monkeypatch.setattr(_shipment, "SHIPPED", _shipment.ShipmentMemo())
     world = World(random.Random(0), loop)
     world.loaders.append(Loader(b"\1" * 300))
     world.iterate(world.loaders[0])

@@ -4,11 +4,13 @@ import queue
 import time
 from types import SimpleNamespace
 
+import fake_runtime
 import pytest
 import ray
 
 from dpex._spec import WorkerSpec
 from dpex.client import _hosts, _warm, _workers
+from dpex.client._shipment import Shipment
 
 
 def stub_ray(monkeypatch, wait):
@@ -100,6 +102,6 @@ def test_recovery_and_scale_up_never_wait_for_the_pool(monkeypatch, how):
     started = time.monotonic()
     for w in range(3):
         spec = WorkerSpec(None, w, 3, 0, "", "", None, incarnation=1)
-        getattr(group, how)(spec, "shipped")
+        getattr(group, how)(spec, Shipment(fake_runtime.Delivery(), False, 10))
     assert time.monotonic() - started < 1.0 and pool.waits == [False] * 3
     assert sorted(group.actors) == [0, 1, 2] and not group.warm

@@ -52,7 +52,7 @@ from dpex.client._events import (
 from dpex.client._fleet_group import FleetGroup
 from dpex.client._launch import LaunchPlan
 from dpex.client._rng_query import RngQuery
-from dpex.client._runtime import Runtime, Seeds, Shipment
+from dpex.client._runtime import Runtime, Seeds
 from dpex.client._scheduler import (
     Control,
     EpochScheduler,
@@ -64,6 +64,7 @@ from dpex.client._scheduler import (
     StopWorker,
 )
 from dpex.client._session import TrainerSession
+from dpex.client._shipment import Shipment
 from dpex.client._worker_table import exit_error
 from dpex.errors import (
     DpexError,
@@ -144,8 +145,8 @@ class EpochDriver:
             for rec in self.sched.workers.records if keys else ():
                 # (the digest it replaces, and the shipment's own: see ship())
                 rec.spec = dataclasses.replace(rec.spec, replaces=keys[0], shipment=keys[1])
-            self.shipped = Shipment(ref, reused, shipped_bytes)
-            runtime.start(self.specs, ref)
+            self.shipment = Shipment(ref, reused, shipped_bytes)
+            runtime.start(self.specs, self.shipment)
         except BaseException:
             runtime.close()
             raise
@@ -354,7 +355,7 @@ class EpochDriver:
         self.apply(self.sched.ready(hello.worker_id, hello.info))
         started = sum(rec.known is not None for rec in self.sched.workers.records)
         if started >= self.start_count:  # each read the dataset: let it go
-            self.shipped.release_local()
+            self.shipment.release_local()
 
     def _on_exit(self, exit_: WorkerExit) -> None:
         if self.runtime.closed:
@@ -363,7 +364,7 @@ class EpochDriver:
         cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
         fleet = isinstance(self.runtime.workers, FleetGroup)
         # Its host could not use the trainer's memfd: it starts again from the store.
-        undelivered = self.shipped.undelivered(cause)
+        undelivered = self.shipment.undelivered(cause)
         actions = self.sched.exited(
             w, exit_.incarnation, startup_error=isinstance(cause, WorkerStartupError),
             # A worker never placed because its node went away is placed again, like a death.
@@ -436,7 +437,7 @@ class EpochDriver:
             # The saved states belong to the resumed epoch; later a worker starts anew.
             rng_state=rec.spec.rng_state if self.sched.epoch == 1 else None)
         self.session.expect(w, rec.spec.incarnation)
-        self.runtime.workers.restart(rec.spec, self.shipped.ref)
+        self.runtime.workers.restart(rec.spec, self.shipment)
 
     # -- state_dict() --------------------------------------------------------------
 

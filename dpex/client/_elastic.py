@@ -153,7 +153,7 @@ class Elastic:
             d.sched.workers[0].spec, worker_id=w, incarnation=0, ring=d.new_ring(w),
             shared_seed=d.shared_seed, rng_state=None, num_workers=d.sched.num_workers)
         rec.started_at = time.monotonic()
-        d.runtime.workers.add(rec.spec, d.shipped.ref)
+        d.runtime.workers.add(rec.spec, d.shipment)
 
     def stop_worker(self, w: int) -> None:
         """A retired worker holds nothing: end its session (its exit is expected)."""

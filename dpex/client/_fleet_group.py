@@ -12,7 +12,8 @@ import ray
 from dpex import _ray_guard
 from dpex._fleet_registry import choose_workers
 from dpex._spec import WorkerSpec
-from dpex.client._workers import deliver, named_shipment, report_exit
+from dpex.client._shipment import Shipment
+from dpex.client._workers import deliver, report_exit
 
 __all__ = ["FleetGroup"]
 
@@ -40,34 +41,34 @@ class FleetGroup:
         # (the sessions' Ray calls join this trainer's namespace: WorkerSpec.namespace)
         self._namespace = ray.get_runtime_context().namespace
 
-    def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
+    def start(self, specs: list[WorkerSpec], shipment: Shipment) -> None:
         for spec, actor in zip(specs, self._choose(len(specs)), strict=True):
-            self._start_one(spec, shipped, actor)
+            self._start_one(spec, shipment, actor)
 
-    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, actor: Any) -> None:
+    def _start_one(self, spec: WorkerSpec, shipment: Shipment, actor: Any) -> None:
         self.actors[spec.worker_id] = actor
-        spec, shipped = deliver(dataclasses.replace(spec, namespace=self._namespace),
-                                shipped, None, False, False)
-        ref = actor.serve.remote(named_shipment(spec, shipped), shipped)
+        spec, stored = deliver(dataclasses.replace(spec, namespace=self._namespace),
+                               shipment, None, False, False)
+        ref = actor.serve.remote(spec, stored)
         self._calls[spec.worker_id] = ref
         ref.future().add_done_callback(report_exit(self.events, spec.worker_id,
                                                     spec.incarnation))
 
-    def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+    def restart(self, spec: WorkerSpec, shipment: Shipment) -> None:
         if self._stopped:
             return
         self._cancel(spec.worker_id)
-        self._start_one(spec, shipped, self._choose(1)[0])
+        self._start_one(spec, shipment, self._choose(1)[0])
 
     def kill(self, worker_id: int) -> None:
         """End this iterator's session on a worker presumed broken (the fleet's process
         lives on); its exit is reported and the iterator replaces it."""
         self._cancel(worker_id)
 
-    def add(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+    def add(self, spec: WorkerSpec, shipment: Shipment) -> None:
         """One more session, on the least busy fleet worker."""
         if not self._stopped:
-            self._start_one(spec, shipped, self._choose(1)[0])
+            self._start_one(spec, shipment, self._choose(1)[0])
 
     def retire(self, worker_id: int) -> None:
         """End a retired worker's session (the fleet worker lives on)."""

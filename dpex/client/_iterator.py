@@ -31,8 +31,9 @@ from dpex.client._driver import EpochDriver, Seeds
 from dpex.client._events import Handoff
 from dpex.client._launch import plan_launch
 from dpex.client._report import iterator_stats
-from dpex.client._runtime import Runtime, ship
+from dpex.client._runtime import Runtime
 from dpex.client._scheduler import EPOCH_END
+from dpex.client._shipment import ship
 from dpex.client._shipping import ship_loader
 from dpex.client._taken import TakenRecord
 from dpex.client._workers import WorkerProcess

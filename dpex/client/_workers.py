@@ -26,14 +26,14 @@ from typing import Any
 import ray
 
 from dpex import _cluster, _placement, _ray_guard
-from dpex._shipfile import Delivery
 from dpex._spec import WorkerSpec
 from dpex.client import _hosts
 from dpex.client._events import WorkerExit
 from dpex.client._hosts import host_options, new_host, options_key
+from dpex.client._shipment import Shipment
 from dpex.client._warm import POOL
 
-__all__ = ["WorkerGroup", "WorkerProcess", "deliver", "live_groups", "named_shipment", "report_exit",
+__all__ = ["WorkerGroup", "WorkerProcess", "deliver", "live_groups", "report_exit",
            "start_hosts", "start_hosts_early"]
 
 # Every WorkerGroup of this process (weak: a dropped iterator's group goes with it).
@@ -89,32 +89,25 @@ def report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int,
     return report
 
 
-def named_shipment(spec: WorkerSpec, shipped: Any) -> WorkerSpec:
-    """``spec`` naming its shipped loader (its digest, else its object ref's id): a
-    host's sessions of one loader fork from one copy of it."""
-    hex_id = getattr(shipped, "hex", None)
-    if spec.shipment is not None or not callable(hex_id):
-        return spec
-    return dataclasses.replace(spec, shipment=hex_id())
-
-
-def deliver(spec: WorkerSpec, shipped: Any, node: str | None, hosted: bool,
-            starting: bool) -> tuple[WorkerSpec, Any]:
-    """What a worker's ``serve`` call gets: a worker on a host (``hosted``) on the
-    trainer's node (``node``) reads the memfd while it is open (nothing else is sent):
-    one of the iterator's first workers (``starting``) before it says HELLO (once every
+def deliver(spec: WorkerSpec, shipment: Shipment, node: str | None, hosted: bool,
+            starting: bool) -> tuple[WorkerSpec, ray.ObjectRef | None]:
+    """What a worker's ``serve`` call gets: its spec, naming the shipment (its digest: a
+    host's sessions of one loader fork from one copy of it), and the object store's
+    copy, or None where the spec names the memfd instead (``local``). A worker on a host
+    (``hosted``) on the trainer's node (``node``) reads the memfd while it is open: one
+    of the iterator's first workers (``starting``) before it says HELLO (once every
     first worker did, the trainer closes it), any later one too where the delivery
     keeps it (:attr:`~dpex._shipfile.Delivery.kept`); any other worker (one on another
-    node or of its own actor, a later one where it is closed) gets the object store's
-    copy (:class:`~dpex._shipfile.Delivery`)."""
-    if not isinstance(shipped, Delivery):
-        return spec, shipped  # (an object ref as is: a test's, or a fleet's)
+    node or of its own actor, a later one where it is closed or a host could not use
+    it) gets the object store's copy (:class:`~dpex._shipfile.Delivery`)."""
+    delivery = shipment.delivery
+    spec = dataclasses.replace(spec, shipment=shipment.digest)
     # (``None``: the cluster has one node, which the trainer runs on)
-    if hosted and (starting or shipped.kept) and node in (None, shipped.node_id):
-        local = shipped.lend()
+    if hosted and (starting or delivery.kept) and node in (None, delivery.node_id):
+        local = delivery.lend()
         if local is not None:
             return dataclasses.replace(spec, local=local), None
-    return spec, shipped.object_ref()
+    return spec, delivery.object_ref()
 
 
 class WorkerGroup:
@@ -162,7 +155,7 @@ class WorkerGroup:
         """Whether this group's workers are sessions on hosts (they reserve nothing)."""
         return not self.reserving
 
-    def start(self, specs: list[WorkerSpec], shipped: ray.ObjectRef) -> None:
+    def start(self, specs: list[WorkerSpec], shipment: Shipment) -> None:
         if self.reserving:
             _cluster.check_placeable(self.user_args, len(specs))
         self._actor_class = ray.remote(self.worker_class)
@@ -170,11 +163,11 @@ class WorkerGroup:
         self._starting = True  # (these read the trainer's memfd before they say HELLO)
         try:
             for spec, node in zip(specs, nodes, strict=True):
-                self._start_one(spec, shipped, node, wait=True)
+                self._start_one(spec, shipment, node, wait=True)
         finally:
             self._starting = False
 
-    def _start_one(self, spec: WorkerSpec, shipped: ray.ObjectRef, node: str | None,
+    def _start_one(self, spec: WorkerSpec, shipment: Shipment, node: str | None,
                    wait: bool = False) -> None:
         """A session on the host of ``node`` (a worker that reserves: an actor of its
         own). ``wait``: for a host still returning from the last iterator (only at the
@@ -182,10 +175,10 @@ class WorkerGroup:
         thread carries it out)."""
         if self.hosted:
             host = self._host(node, wait)
-            self._serve(host, dataclasses.replace(spec, pooled=True), shipped, node, host)
+            self._serve(host, dataclasses.replace(spec, pooled=True), shipment, node, host)
             return
         actor = self._actor_class.options(**self.options).remote()
-        self._serve(actor, spec, shipped, node)
+        self._serve(actor, spec, shipment, node)
 
     def _host(self, node: str | None, wait: bool) -> Any:
         """This group's live host on ``node``: its own, one from the warm pool, or new."""
@@ -211,9 +204,9 @@ class WorkerGroup:
         self._lost.add(host_id)
         _hosts.SHARED.lost(host_id)
 
-    def _serve(self, actor: Any, spec: WorkerSpec, shipped: Any,
+    def _serve(self, actor: Any, spec: WorkerSpec, shipment: Shipment,
                node: str | None, host: Any = None) -> None:
-        spec, shipped = deliver(spec, shipped, node, host is not None, self._starting)
+        spec, stored = deliver(spec, shipment, node, host is not None, self._starting)
         self.actors[spec.worker_id] = actor
         self.nodes[spec.worker_id] = node
         self._session_ids[spec.worker_id] = getattr(spec.wire, "session_id", None)
@@ -221,7 +214,7 @@ class WorkerGroup:
             self.warm.add(spec.worker_id)
         else:
             self.warm.discard(spec.worker_id)
-        ref = actor.serve.remote(named_shipment(spec, shipped), shipped)
+        ref = actor.serve.remote(spec, stored)
         self._calls[spec.worker_id] = ref
         lost = None if host is None else functools.partial(
             self._host_lost, _ray_guard.actor_id(host))
@@ -230,13 +223,13 @@ class WorkerGroup:
         ref.future().add_done_callback(report_exit(self.events, spec.worker_id,
                                                     spec.incarnation, lost))
 
-    def add(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+    def add(self, spec: WorkerSpec, shipment: Shipment) -> None:
         """Start one more worker (a new id) on the node spreading picks: a session
         forked on the host there (milliseconds plus the dataset's own work; a new host
         where there is none), or an actor of its own for a worker that reserves."""
         if self._stopped:
             return
-        self._start_one(spec, shipped, _nodes_for(1)[0] if self.hosted else None)
+        self._start_one(spec, shipment, _nodes_for(1)[0] if self.hosted else None)
 
     def _end_session(self, worker_id: int) -> None:
         """End a worker's session (its host serves on)."""
@@ -262,7 +255,7 @@ class WorkerGroup:
         if actor is not None and not self._stopped and ray.is_initialized():
             _kill(actor)
 
-    def restart(self, spec: WorkerSpec, shipped: ray.ObjectRef) -> None:
+    def restart(self, spec: WorkerSpec, shipment: Shipment) -> None:
         """Replace worker ``spec.worker_id``: as an added worker starts (:meth:`add`), a
         session forked on the host of the node spreading picks (a new host where the
         old one died), or a new actor for a worker that reserves (its old one killed
@@ -277,7 +270,7 @@ class WorkerGroup:
             self._calls.pop(spec.worker_id, None)
             if old is not None:
                 _kill(old)
-        self.add(spec, shipped)
+        self.add(spec, shipment)
 
     def kill(self, worker_id: int) -> None:
         """End a worker presumed broken (its session process at once, on a host); Ray
