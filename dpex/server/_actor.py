@@ -9,36 +9,41 @@ host's processes ] in :mod:`dpex.server._fork_base`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
-import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dpex._shipfile import ShipmentUnavailable
 from dpex._spec import Parcel, WorkerSpec
 from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
 from dpex.server._base_cache import BaseCache
-from dpex.server._fork_base import BaseUnsafe, ForkBase
+from dpex.server._base_starter import BaseStarter
+from dpex.server._fork_base import ForkBase
+from dpex.server._node_bases import NodeBases
 from dpex.server._session import Session, SessionServer
-from dpex.server._session_process import (
-    START_STATE,
-    SessionProcess,
-    mp_context,
-    prestart,
-    restore_state,
-)
-from dpex.server._task_runner import load_shipped
+from dpex.server._session_process import SessionProcess, SessionWorker, prestart
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
 
-__all__ = ["DpexWorker", "SessionWorker"]
+__all__ = ["DpexWorker"]
 
 logger = logging.getLogger("dpex")
+
+
+def _fleet_node_bases() -> NodeBases | None:
+    """A fleet worker's registry of the bases its fleet shares on this node (None where
+    it has no name: a test's actor)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    name = ctx.get_actor_name() if ctx.get_actor_id() is not None else None
+    if not name or "/" not in name:
+        return None
+    return NodeBases.for_fleet(ctx.gcs_address, name.rsplit("/", 1)[0])
 
 
 def _placement() -> dict:
@@ -100,7 +105,10 @@ class DpexWorker:
                                      self._count_rejected, self._sessions, self._computes)
         # (A fleet's workers serve other trainers: none forks from libraries that
         # another trainer's dataset imported.)
-        self._starter = _Bases(self._ray_view, share_libraries=not pooled)
+        # A fleet's workers of one node share one base per dataset (_node_bases).
+        self._node = _fleet_node_bases() if pooled else None
+        self._starter = BaseStarter(self._ray_view, share_libraries=not pooled,
+                                    node=self._node)
         self._bases = BaseCache(self._starter.start)  # fork bases by shipment digest
         if pooled or host:
             self._start_forkserver()
@@ -196,7 +204,10 @@ class DpexWorker:
         self._sessions.add(session)
         base: ForkBase | None = None
         child: SessionProcess | None = None
+        use: int | None = None  # (a fleet's: the node's base is not stopped under it)
         try:
+            if self._node is not None and spec.shipment is not None:
+                use = await loop.run_in_executor(None, self._node.use, spec.shipment)
             self._bases.forget(spec.replaces)  # a changed dataset's: not kept idle
             if shipped is None:  # on the trainer's node: its memfd (dpex._shipfile)
                 shipped = spec.local
@@ -229,123 +240,10 @@ class DpexWorker:
                     for name, n in child.counters().items():
                         self._counters[name] += n
             self._bases.release(base)
+            if use is not None:
+                self._node.unuse(use)
         child.raise_outcome()
 
     async def _serve_here(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
         """Serve one session in this process (:class:`SessionServer`)."""
         await self._server.serve(spec, shipped)
-
-
-def _prepare_base(ray_view: JobView | None, path: list[str]) -> None:
-    """A fork base's start: the worker's environment and directory as it started, its
-    ``sys.path`` as it is now (``path``: Ray adds the job's code paths, the trainer
-    script's directory among them, once the worker runs the job's first task), and
-    Ray calls of the dataset's unpickling join the worker's cluster (a base that
-    connects to Ray is then not forked from: its Ray threads would not live through a
-    fork)."""
-    environ, _, cwd = START_STATE
-    restore_state((environ, path, cwd))
-    if ray_view is not None:
-        from dpex._ray_connect import join_on_first_call
-
-        join_on_first_call(ray_view)
-
-
-def _import_libraries(data: bytes) -> None:  # (its base is not watched)
-    """A library base's load: import the modules named in ``data`` (one per line)."""
-    from dpex.server._forkserver_preload import import_all
-
-    import_all(data.decode().split())
-
-
-class _Bases:
-    """How a worker starts its fork bases: from a *library base* (a process forked from
-    the forkserver that imported the installed libraries earlier bases' loaders
-    imported: Lightning's ``worker_init_fn`` imports Lightning, ~7 s of CPU here), so
-    that a new dataset's base does not import them again; from the forkserver while
-    there is none (or it would leave threads running: then never)."""
-
-    def __init__(self, ray_view: JobView | None, share_libraries: bool = True) -> None:
-        self._ray_view = ray_view
-        self._lock = threading.Lock()  # (bases start on executor threads)
-        self._libraries: dict[str, None] = {}  # in import order
-        self._parent: ForkBase | None = None
-        self._parent_has = 0  # how many of _libraries it imported
-        self._refused = not share_libraries
-
-    def _prepare(self) -> Any:
-        return functools.partial(_prepare_base, self._ray_view, list(sys.path))
-
-    def _library_base(self) -> ForkBase | None:
-        with self._lock:
-            if self._refused or len(self._libraries) == self._parent_has:
-                return self._parent
-            names = list(self._libraries)
-            old, self._parent = self._parent, None
-        if old is not None:
-            old.stop()  # (the bases forked from it live on)
-        parent = ForkBase(mp_context(), "libraries")
-        try:
-            parent.start("\n".join(names).encode(), self._prepare(), _import_libraries,
-                         watch=False)
-        except BaseUnsafe as exc:
-            logger.info("dpex: %s; fork bases start from the forkserver", exc)
-            with self._lock:
-                self._refused = True
-            return None
-        with self._lock:
-            self._parent, self._parent_has = parent, len(names)
-        return parent
-
-    def start(self, key: str, data: Any) -> ForkBase | None:
-        """A started fork base for shipment ``key`` (blocking), None if it cannot be used."""
-        base = ForkBase(mp_context(), key, parent=self._library_base())
-        try:
-            base.start(data, self._prepare(), load_shipped)
-        except BaseUnsafe as exc:
-            logger.warning("%s: each session unpickles the dataset itself", exc)
-            return None
-        if base.per_worker is not None:
-            logger.info("dpex: %s, so each worker unpickles its own copy of the dataset "
-                        "(as under torch's spawn); its tensors and arrays stay shared",
-                        base.per_worker)
-        with self._lock:
-            self._libraries.update(dict.fromkeys(base.libraries))
-        return base
-
-
-class SessionWorker:
-    """A session's own process (:mod:`dpex.server._session_process`; a fleet's, or one
-    on a warm worker): serves one session and counts its traffic into memory the worker
-    reads."""
-
-    def __init__(self, placement: dict, session_timeout: float, counts: Any) -> None:
-        self.placement = {**placement, "session_pid": os.getpid()}
-        self._counts = counts  # COUNTERS order: batches, bytes, control rejected
-        self._server = SessionServer(self.placement, session_timeout, self._count,
-                                     self._count_rejected)
-
-    def _count(self, nbytes: int) -> None:
-        self._counts[0] += 1  # one writer: this session's compute thread
-        self._counts[1] += nbytes
-
-    def _count_rejected(self) -> None:
-        self._counts[2] += 1  # one writer: this session's control reader
-
-    async def serve_until_told(self, spec: WorkerSpec, shipped: Parcel | bytes, conn: Any) -> None:
-        """Serve until the session ends, or the fleet worker says stop or dies."""
-        loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(self._server.serve(spec, shipped))
-
-        def told() -> None:  # "stop", or end of file: the fleet worker is gone
-            loop.remove_reader(conn.fileno())
-            task.cancel()
-
-        loop.add_reader(conn.fileno(), told)
-        try:
-            await task
-        except asyncio.CancelledError:
-            if not task.cancelled():
-                raise
-        finally:
-            loop.remove_reader(conn.fileno())

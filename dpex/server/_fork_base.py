@@ -240,6 +240,36 @@ def _private(data: bytes) -> memoryview:
     return memoryview(mapped)[:len(data)]
 
 
+class _Pid:
+    """A base another process started (:meth:`ForkBase.attached`): alive while its pid is."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def join(self, timeout: float | None = None) -> None:
+        pass  # (not this process's child)
+
+
+_SPARE_FD: int | None = None  # what a process that does not own a base sends as its
+_SPARE_LOCK = threading.Lock()  # "alive" descriptor (the forked child only keeps it)
+
+
+def _spare_fd() -> int:
+    global _SPARE_FD
+    with _SPARE_LOCK:
+        if _SPARE_FD is None:
+            r, _SPARE_FD = os.pipe()
+            os.close(r)
+        return _SPARE_FD
+
+
 class _Server(multiprocessing.forkserver.ForkServer):
     """The host's side of a base: multiprocessing's forkserver client, aimed at it."""
 
@@ -311,6 +341,7 @@ class ForkBase:
         self._proc: Any = None
         self._alive: Connection | None = None
         self._server: _Server | None = None
+        self._address: str | None = None
         self._lock = threading.Lock()
 
     def start(self, data: Any, prepare: Callable[[], None], load: Callable[..., Any],
@@ -355,8 +386,31 @@ class ForkBase:
         with self._lock:
             self._proc, self._alive = proc, alive_w
             self._server = _Server(address, alive_w.fileno(), proc)
+            self._address = address
             self.libraries = list(said[1])
             self.per_worker = said[2]
+
+    @classmethod
+    def attached(cls, key: str, address: str, pid: int, per_worker: str | None,
+                 libraries: list[str]) -> ForkBase:
+        """A base another process of this user started (a fleet worker on this node:
+        :mod:`dpex.server._node_bases`), reached at its forkserver socket ``address``;
+        sessions fork from it as from one's own, and :meth:`stop` leaves it be."""
+        base = cls(None, key)
+        base._proc = _Pid(pid)
+        base._address = address
+        base._server = _Server(address, _spare_fd(), base._proc)
+        base.per_worker, base.libraries = per_worker, list(libraries)
+        return base
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def address(self) -> str | None:
+        """Its forkserver's socket (what another worker of this node forks through)."""
+        return self._address
 
     def alive(self) -> bool:
         with self._lock:
@@ -367,6 +421,12 @@ class ForkBase:
         if self._server is None:
             raise BaseUnsafe("dpex fork base not started")
         return _Process(self._server, **kwargs)
+
+    def wait_stopped(self, timeout: float) -> None:
+        """After :meth:`stop`: until the base's process is gone (at most ``timeout``)."""
+        proc = self._proc
+        if proc is not None:
+            proc.join(timeout)
 
     def stop(self) -> None:
         """Let the base end: once its sessions have ended it exits (idempotent)."""

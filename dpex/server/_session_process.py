@@ -34,11 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 from dpex._shipfile import ShipmentRef, map_shipment
 from dpex.server._fork_base import PRELOADED, ForkBase, enter_base_state, libraries_since
+from dpex.server._session import SessionServer
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
+    from dpex._spec import Parcel, WorkerSpec
 
-__all__ = ["START_STATE", "SessionProcess", "mp_context", "prestart", "restore_state"]
+__all__ = ["START_STATE", "SessionProcess", "SessionWorker", "mp_context", "prestart",
+           "restore_state"]
 
 COUNTERS = ("batches_sent", "bytes_sent", "control_rejected")
 _PRELOAD = ["ray", "dpex.server._actor"]  # what every session would import again
@@ -170,8 +173,7 @@ class SessionProcess:
                  session_timeout: float, ray_view: JobView | None = None,
                  base: ForkBase | None = None) -> None:
         """``worker_class(placement, session_timeout, counts)`` serves the session in the
-        child (the actor module's ``SessionWorker``, passed by reference: pickled by
-        name, so this module does not import the actor's). ``ray_view``: the worker's
+        child (:class:`SessionWorker`, passed by reference: pickled by name). ``ray_view``: the worker's
         cluster and job, which Ray calls in the child's dataset code join
         (:func:`dpex._ray_connect.join_on_first_call`). ``base``: the fork base that
         holds this session's loader unpickled (:mod:`dpex.server._fork_base`), which the
@@ -308,3 +310,40 @@ def _main(worker_class: type, spec: Any, shipped: Any, placement: dict,
             pass
     finally:
         conn.close()
+
+
+class SessionWorker:
+    """A session's own process (:mod:`dpex.server._session_process`; a fleet's, or one
+    on a warm worker): serves one session and counts its traffic into memory the worker
+    reads."""
+
+    def __init__(self, placement: dict, session_timeout: float, counts: Any) -> None:
+        self.placement = {**placement, "session_pid": os.getpid()}
+        self._counts = counts  # COUNTERS order: batches, bytes, control rejected
+        self._server = SessionServer(self.placement, session_timeout, self._count,
+                                     self._count_rejected)
+
+    def _count(self, nbytes: int) -> None:
+        self._counts[0] += 1  # one writer: this session's compute thread
+        self._counts[1] += nbytes
+
+    def _count_rejected(self) -> None:
+        self._counts[2] += 1  # one writer: this session's control reader
+
+    async def serve_until_told(self, spec: WorkerSpec, shipped: Parcel | bytes, conn: Any) -> None:
+        """Serve until the session ends, or the fleet worker says stop or dies."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(self._server.serve(spec, shipped))
+
+        def told() -> None:  # "stop", or end of file: the fleet worker is gone
+            loop.remove_reader(conn.fileno())
+            task.cancel()
+
+        loop.add_reader(conn.fileno(), told)
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise
+        finally:
+            loop.remove_reader(conn.fileno())
