@@ -129,6 +129,26 @@ def test_a_descriptor_opened_by_c_code_is_seen(tmp_path):
         os.close(loaded.dataset)
 
 
+def test_a_setstate_of_a_class_shipped_by_value_is_the_datasets_own_code():
+    """The training script's classes travel by value, and a worker's copy of their code
+    is named "<dynamic-code>" by cloudpickle: their ``__setstate__`` is the dataset's own
+    code all the same (it was once taken for the standard library's generated code and
+    trusted). (In this process cloudpickle hands back the class it pickled, so the class
+    is made here under the name a worker's copy has.)"""
+    namespace: dict = {}
+    source = "class Script:\n    def __setstate__(self, state):\n        self.__dict__.update(state)\n"
+    exec(compile(source, "<dynamic-code>", "exec"), namespace)
+    cls = namespace["Script"]
+    cls.__module__ = "__main__"
+    obj = cls()
+    obj.n = 1  # (an empty state is never set)
+    data = cloudpickle.dumps(obj)
+    watch = UnpicklingWatch()
+    with watch:
+        _framed.loads(data, unpickler=watch.unpickler)
+    assert watch.foreign is not None and "Script.__setstate__" in watch.foreign
+
+
 def test_cloudpickles_classes_by_value_are_rebuilt_not_run():
     """A class of the training script (``__main__``) travels by value: cloudpickle's
     rebuilders run, not the class's code."""

@@ -78,7 +78,10 @@ class _Trust:
         return known
 
     def _judge(self, filename: str) -> bool:
-        if filename.startswith("<"):  # frozen import machinery, namedtuple's __new__
+        # The import machinery, and what the standard library makes with exec (a
+        # namedtuple's __new__). Not cloudpickle's "<dynamic-code>": the training
+        # script's own functions and classes, shipped by value.
+        if filename.startswith("<frozen ") or filename == "<string>":
             return True
         path = os.path.realpath(filename)
         if path.startswith(self._packages):
