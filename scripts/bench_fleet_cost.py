@@ -101,6 +101,8 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--workers", default="2,6")
     p.add_argument("--kinds", nargs="+", default=["tensor"], choices=["tensor", "strings"])
+    p.add_argument("--share-bases", action="store_true",
+                   help="start the fleets with DPEX_FLEET_SHARE_BASES=1 (docs/FLEET.md)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "fleet_cost.json"))
     p.add_argument("--child", nargs=3, metavar=("ADDRESS", "KIND", "WORKERS"),
                    help=argparse.SUPPRESS)
@@ -117,6 +119,8 @@ def main() -> None:
 
     rows = []
     with raycluster.ray_head() as (address, env):
+        if args.share_bases:  # (read by `dpex fleet start`, which hands it to its workers)
+            env = dict(env, DPEX_FLEET_SHARE_BASES="1")
         for kind in args.kinds:
             for n in counts:
                 say(f"{kind}, {n} fleet workers ...")

@@ -119,7 +119,8 @@ def main() -> None:
 
         connect_ray(args.address)
         answer = Answer.options(name=AsksNamedActor.ACTOR).remote()  # noqa: F841 (kept)
-    reference = dict(kw, num_workers=0) if args.dataset == "named" else kw  # (Ray here)
+    reference = (dict(kw, num_workers=0, persistent_workers=False)  # (Ray is here)
+                 if args.dataset == "named" else kw)
     expected = dsets.epochs(dsets.torch_loader(dataset, generator=torch.Generator().manual_seed(7),
                                                **reference), args.epochs)
 

@@ -92,7 +92,7 @@ def test_a_trainer_resumes_mid_epoch_on_the_fleet_exactly(cluster, fleet):
 
 def test_a_killed_fleet_worker_is_replaced_and_the_epoch_is_exact(cluster, fleet):
     out = result(trainer(cluster, fleet, "--dataset", "squares", "--kill-after", "5"))
-    assert [r["worker"] for r in out["stats"]["recoveries"]] == [1]
+    assert [r["worker"] for r in out["stats"]["recoveries"]] == [1], out["stats"]["recoveries"]
     deadline = time.monotonic() + 60  # Ray restarts the killed fleet worker
     while time.monotonic() < deadline:
         rows = status_rows(cluster, fleet)

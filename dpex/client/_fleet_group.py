@@ -38,8 +38,7 @@ class FleetGroup:
         self.actors: dict[int, Any] = {}
         self._calls: dict[int, Any] = {}
         self._stopped = False
-        # (the sessions' Ray calls join this trainer's namespace: WorkerSpec.namespace)
-        self._namespace = ray.get_runtime_context().namespace
+        self._namespace: str | None = None  # this trainer's (WorkerSpec.namespace)
 
     def start(self, specs: list[WorkerSpec], shipment: Shipment) -> None:
         for spec, actor in zip(specs, self._choose(len(specs)), strict=True):
@@ -47,6 +46,8 @@ class FleetGroup:
 
     def _start_one(self, spec: WorkerSpec, shipment: Shipment, actor: Any) -> None:
         self.actors[spec.worker_id] = actor
+        if self._namespace is None:  # (the sessions' Ray calls join it)
+            self._namespace = ray.get_runtime_context().namespace
         spec, stored = deliver(dataclasses.replace(spec, namespace=self._namespace),
                                shipment, None, False, False)
         ref = actor.serve.remote(spec, stored)

@@ -34,11 +34,17 @@ __all__ = ["DpexWorker"]
 logger = logging.getLogger("dpex")
 
 
+SHARE_BASES = "DPEX_FLEET_SHARE_BASES"  # 1: a fleet's workers of a node share bases
+
+
 def _fleet_node_bases() -> NodeBases | None:
-    """A fleet worker's registry of the bases its fleet shares on this node (None where
-    it has no name: a test's actor)."""
+    """A fleet worker's registry of the bases its fleet shares on this node, where the
+    fleet's environment asks for it (``DPEX_FLEET_SHARE_BASES=1``: docs/FLEET.md says
+    what it costs); None otherwise, or where it has no name (a test's actor)."""
     import ray
 
+    if os.environ.get(SHARE_BASES, "0") != "1":
+        return None
     ctx = ray.get_runtime_context()
     name = ctx.get_actor_name() if ctx.get_actor_id() is not None else None
     if not name or "/" not in name:

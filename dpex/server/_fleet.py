@@ -12,6 +12,7 @@ These functions need a connected Ray (``dpex.cli`` connects, the loader does).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,7 +23,7 @@ from dpex._cluster import check_placeable, choose_nodes, on_node
 from dpex._fleet_registry import NAMESPACE, fleet_name, fleet_workers, sample
 from dpex._placement import reserves
 from dpex.errors import FleetError, WorkerStartupError
-from dpex.server._actor import DpexWorker
+from dpex.server._actor import SHARE_BASES, DpexWorker
 from dpex.server._session_process import STOP_GRACE_S
 
 __all__ = ["start_fleet", "fleet_status", "stop_fleet", "scale_fleet", "fleet_target",
@@ -59,7 +60,9 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
     if fleet_workers(fleet):
         raise FleetError(f"a dpex fleet named {fleet!r} is running already; stop it first "
                          f"(dpex fleet stop --name {fleet})")
-    options = {"num_cpus": cpus_per_worker, "resources": dict(resources or {})}
+    options: dict[str, Any] = {"num_cpus": cpus_per_worker, "resources": dict(resources or {})}
+    if os.environ.get(SHARE_BASES) == "1":  # (opt-in: docs/FLEET.md, what it costs)
+        options["runtime_env"] = {"env_vars": {SHARE_BASES: "1"}}
     return _start_workers(fleet, list(range(workers)), options, session_timeout, timeout,
                           progress, {})
 

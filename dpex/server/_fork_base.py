@@ -195,22 +195,24 @@ def _base_main(address: str, alive: Connection, link: Connection,
     except ShipmentUnavailable as exc:  # (gone before this base could map it: the host
         link.send(("unavailable", str(exc)))  # gets the object store's copy instead)
         return
+    watching = UnpicklingWatch() if watch else None
     try:
-        if watch:
-            with UnpicklingWatch() as watching:
+        if watching is not None:
+            with watching:
                 _LOADED = load(data, unpickler=watching.unpickler)
-            gc.collect()
-            opened = watching.opened()
-            if watching.foreign is not None or opened:
-                per_worker = (f"unpickling it runs {watching.foreign}" if watching.foreign
-                              else f"unpickling it opens {', '.join(opened)}")
-                _LOADED = _PerWorker(load, data, per_worker)  # (the trial copy goes)
         else:
             _LOADED = load(data)
     except BaseException as exc:  # noqa: BLE001 - each session raises it as its own
         _LOADED = exc
+    gc.collect()  # (one collection: a file the loader dropped is closed before counting)
+    if watching is not None and not isinstance(_LOADED, BaseException):
+        opened = watching.opened()
+        if watching.foreign is not None or opened:
+            per_worker = (f"unpickling it runs {watching.foreign}" if watching.foreign
+                          else f"unpickling it opens {', '.join(opened)}")
+            _LOADED = _PerWorker(load, data, per_worker)
+            gc.collect()  # the trial copy goes (before gc.freeze() would keep it)
     del data  # (a shared loader holds what it needs of it)
-    gc.collect()
     threads = _threads()
     if threads > 1 or ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
         link.send(("unsafe", f"{threads} threads ran after it unpickled the loader"))

@@ -212,10 +212,14 @@ class SessionProcess:
                 take()  # the child has its own copy: this process keeps none
 
     async def wait(self, stop: asyncio.Event) -> None:
-        """Until the child ends or ``stop`` is set."""
+        """Until the child ends or ``stop`` is set. The child is watched by its pid (a
+        pidfd), not by the status pipe of the base that forked it: a base another fleet
+        worker of this node owns ends with that worker, and its pipe's end of file
+        would read as this session's end (:mod:`dpex.server._node_bases`)."""
         loop = asyncio.get_running_loop()
         ended = loop.create_future()
-        fd = self._proc.sentinel
+        pidfd = self._pidfd()
+        fd = pidfd if pidfd is not None else self._proc.sentinel
         loop.add_reader(fd, lambda: ended.done() or ended.set_result(None))
         stopper = asyncio.ensure_future(stop.wait())
         try:
@@ -223,6 +227,16 @@ class SessionProcess:
         finally:
             loop.remove_reader(fd)
             stopper.cancel()
+            if pidfd is not None:
+                os.close(pidfd)
+
+    def _pidfd(self) -> int | None:
+        """A descriptor readable once the child ends (None: no pidfd here, Linux < 5.3,
+        or the child is gone already: its sentinel says so)."""
+        try:
+            return os.pidfd_open(self._proc.pid)
+        except (AttributeError, OSError):
+            return None
 
     def kill(self) -> None:
         """SIGKILL the child (a session presumed hung); :meth:`wait` then returns."""
