@@ -58,20 +58,13 @@ class HeldWithSetstate(Held):
         self.__dict__.update(state)
 
 
-def private_mib(pid: int) -> float:
-    kib = 0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                kib += int(line.split()[1])
-    return kib / 1024
-
-
 def one(kind: str, case: str, mib: int) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
     import ray
     import torch
     from bench_worker_cost import build
+    from dsets import private_mib
 
     from dpex import DpexDataLoader, _shipfile
 

@@ -48,16 +48,6 @@ logger = logging.getLogger("dpex")
 _LOCK_POLL_S = 0.05
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False  # another user's: not a base of ours
-    return True
-
-
 class Published:
     """A base this worker started and published: the cache's handle on it. ``stop()``
     stops it only when no session of any worker uses it (:meth:`NodeBases.retire`)."""
@@ -109,20 +99,29 @@ class NodeBases:
             raise ValueError(f"not a shipment digest: {key!r}")
         return os.path.join(self.directory, key + suffix)
 
-    @contextlib.contextmanager
-    def _flock(self, key: str, suffix: str, how: int, timeout: float) -> Iterator[int]:
+    def _take(self, key: str, suffix: str, how: int, timeout: float) -> int:
+        """A descriptor of ``key``'s ``suffix`` file holding ``how`` (its close releases
+        it); TimeoutError after ``timeout`` s."""
         fd = os.open(self._path(key, suffix), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             deadline = time.monotonic() + timeout
             while True:
                 try:
                     fcntl.flock(fd, how | fcntl.LOCK_NB)
-                    break
+                    return fd
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"dpex: {key[:12]}'s base lock held over "
                                            f"{timeout:g} s") from None
                     time.sleep(_LOCK_POLL_S)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @contextlib.contextmanager
+    def _flock(self, key: str, suffix: str, how: int, timeout: float) -> Iterator[int]:
+        fd = self._take(key, suffix, how, timeout)
+        try:
             yield fd
         finally:
             os.close(fd)  # (releases the lock)
@@ -150,11 +149,12 @@ class NodeBases:
         except (OSError, ValueError):
             return None
         pid, address = entry.get("pid"), entry.get("address")
-        if not isinstance(pid, int) or not isinstance(address, str) or not _alive(pid) \
+        if not isinstance(pid, int) or not isinstance(address, str) \
                 or not os.path.exists(address):
             return None
-        return ForkBase.attached(key, address, pid, entry.get("per_worker"),
+        base = ForkBase.attached(key, address, pid, entry.get("per_worker"),
                                  entry.get("libraries", []))
+        return base if base.alive() else None
 
     def _publish(self, key: str, base: ForkBase) -> None:
         path = self._path(key, ".json")
@@ -168,21 +168,7 @@ class NodeBases:
     def use(self, key: str, timeout: float = 60.0) -> int:
         """A session of ``key`` starts (before it asks for the base): its shared lock,
         held until :meth:`unuse` (the owner stops no base under it). Blocking."""
-        fd = os.open(self._path(key, ".use"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    return fd
-                except BlockingIOError:  # (a retirement in progress: milliseconds)
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"dpex: {key[:12]}'s base is being stopped "
-                                           f"for over {timeout:g} s") from None
-                    time.sleep(_LOCK_POLL_S)
-        except BaseException:
-            os.close(fd)
-            raise
+        return self._take(key, ".use", fcntl.LOCK_SH, timeout)  # (waits only on a retirement)
 
     @staticmethod
     def unuse(fd: int) -> None:
