@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 
 from dpex._protocol import Wire
 from dpex._security import ClientKeys
-from dpex._shipfile import ShipmentRef
+from dpex._shipfile import ShipmentRef, ShipmentUnavailable, map_shipment
 from dpex._shm import RingRef
 
-__all__ = ["Parcel", "PickledLoader", "Positioned", "ShippedLoader", "WorkerSpec", "own_state",
+__all__ = ["PRELOADED", "Parcel", "PickledLoader", "Positioned", "ShippedLoader", "WorkerSpec", "own_state",
            "stateful_dataset"]
 
 
@@ -63,34 +63,89 @@ class ShippedLoader:
 
 
 class Parcel:
-    """The pickled loader as a worker holds it until it unpickles it: taken once
-    (:meth:`take`), after which nothing here keeps its bytes. A worker's ``serve`` call
-    (and Ray, which holds the call's arguments) lives as long as its session; holding the
-    bytes there kept a dataset-sized copy in every worker for nothing.
+    """The pickled loader as a worker holds it until it unpickles it: the one type every
+    worker-side signature takes (``shipped``). It comes in one of three forms:
 
-    In a worker actor the bytes are a read-only view of the object store's copy (a
-    pickle-5 buffer: zero-copy, one copy per node, shared by the node's workers); sent
-    to a session's own process they travel as ``bytes`` (pickled by value)."""
+    - **bytes**: the object store's copy. In a worker actor a read-only view of Ray's
+      buffer (a pickle-5 buffer: zero-copy, one copy per node, shared by the node's
+      workers); sent to a session's own process it travels as ``bytes``.
+    - **the trainer's memfd** (:meth:`local`), on its node: a
+      :class:`~dpex._shipfile.ShipmentRef`, mapped where it is read (:meth:`take`,
+      :meth:`map_now`), or handed as it is to a fork base that maps it itself.
+    - **preloaded** (:data:`PRELOADED`): a session forked from a fork base that
+      unpickled the loader already.
 
-    __slots__ = ("_data",)
+    Taken once (:meth:`take`) or dropped (:meth:`drop`), after which nothing here keeps
+    its bytes: a worker's ``serve`` call (and Ray, which holds the call's arguments)
+    lives as long as its session; holding the bytes there kept a dataset-sized copy in
+    every worker for nothing."""
 
-    def __init__(self, data: Any) -> None:
-        self._data = data
+    __slots__ = ("_data", "_ref", "preloaded")
+
+    def __init__(self, data: Any = None, *, ref: ShipmentRef | None = None,
+                 preloaded: bool = False) -> None:
+        self._data, self._ref, self.preloaded = data, ref, preloaded
+
+    @classmethod
+    def delivered(cls, stored: Parcel | None, local: ShipmentRef | None,
+                  node_id: str) -> Parcel:
+        """What a ``serve`` call got: the object store's copy (``stored``), or None for
+        the trainer's memfd (``local``, its spec's), which must be on this node."""
+        if stored is not None:
+            return stored
+        if local is not None and local.node_id != node_id:
+            raise ShipmentUnavailable(
+                f"the trainer's copy of the dataset is on node {local.node_id}, "
+                f"this worker on {node_id}")
+        return cls(ref=local)
+
+    @property
+    def ref(self) -> ShipmentRef | None:
+        """The trainer's memfd, not mapped yet (a fork base maps it itself)."""
+        return self._ref
+
+    @property
+    def empty(self) -> bool:
+        """Nothing held: taken, dropped, preloaded, or a fleet worker given no bytes."""
+        return self._ref is None and self._data is None
 
     def view(self) -> Any:
-        """The bytes, not taken (None once taken)."""
+        """The bytes, not taken (None for a memfd not mapped yet, or once taken)."""
         return self._data
 
+    def map_now(self) -> None:
+        """Read the trainer's memfd now (a session's own process does so before its
+        HELLO, after which the trainer may close it); raises
+        :class:`~dpex._shipfile.ShipmentUnavailable` if it is gone."""
+        if self._ref is not None:
+            self._data, self._ref = map_shipment(self._ref), None
+
     def take(self) -> Any:
-        """The bytes (a bytes-like object); None once taken."""
+        """The bytes (a bytes-like object, the memfd mapped if it is one); None once
+        taken or dropped."""
+        self.map_now()
         data, self._data = self._data, None
         return data
 
+    def drop(self) -> None:
+        """Keep nothing of it here (a fork base or a session's process holds its own)."""
+        self._data = self._ref = None
+
     def __len__(self) -> int:
+        if self._ref is not None:
+            return self._ref.size
         return 0 if self._data is None else memoryview(self._data).nbytes
 
     def __reduce__(self) -> tuple:
-        return Parcel, (None if self._data is None else bytes(self._data),)
+        data = None if self._data is None else bytes(self._data)
+        return _parcel, (data, self._ref, self.preloaded)
+
+
+def _parcel(data: Any, ref: ShipmentRef | None, preloaded: bool) -> Parcel:
+    return Parcel(data, ref=ref, preloaded=preloaded)
+
+
+PRELOADED = Parcel(preloaded=True)  # a session forked from a fork base that holds it
 
 
 def _loader_bytes(data: Any, refs: tuple) -> Parcel:

@@ -9,6 +9,7 @@ import time
 import pytest
 from test_framed import shipped
 
+from dpex._spec import Parcel
 from dpex.server._base_starter import BaseStarter
 from dpex.server._fork_base import preloaded
 from dpex.server._node_bases import NodeBases, Published
@@ -40,8 +41,8 @@ def test_two_fleet_workers_of_a_node_fork_from_one_base_which_waits_for_its_user
     data = bytes(shipped(list(range(1000))))
     key = "ab" * 16
     node_a, node_b = NodeBases(str(tmp_path)), NodeBases(str(tmp_path))
-    owner = BaseStarter(None, share_libraries=False, node=node_a).start(key, data)
-    other = BaseStarter(None, share_libraries=False, node=node_b).start(key, None)  # no bytes
+    owner = BaseStarter(None, share_libraries=False, node=node_a).start(key, Parcel(data))
+    other = BaseStarter(None, share_libraries=False, node=node_b).start(key, Parcel())  # no bytes
     assert isinstance(owner, Published) and not isinstance(other, Published)
     assert other.pid == owner.base.pid  # one base on the node, not two
     assert session(owner) == (owner.base.pid, 1000, 7)

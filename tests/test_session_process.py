@@ -15,7 +15,7 @@ import pytest
 from test_strangers import events, live_session  # noqa: F401 (a fixture)
 from torch.utils.data import _DatasetKind
 
-from dpex._spec import ShippedLoader, WorkerSpec
+from dpex._spec import Parcel, ShippedLoader, WorkerSpec
 from dpex.client._events import WorkerHello
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,7 +51,7 @@ def test_a_fleet_session_process_ends_with_the_fleet_worker_that_owns_it(live_se
     worker = subprocess.Popen([sys.executable, "-c", FLEET_WORKER, os.path.dirname(__file__)],
                               stdin=subprocess.PIPE)
     try:
-        worker.stdin.write(cloudpickle.dumps((spec, shipped)))
+        worker.stdin.write(cloudpickle.dumps((spec, Parcel(shipped))))
         worker.stdin.close()
         hello = events(handoff, lambda e: isinstance(e, WorkerHello), timeout=60)
         session_pid = hello.info["session_pid"]

@@ -27,8 +27,8 @@ from dsets import open_memfds
 
 from dpex import _shipfile
 from dpex._framed import PickleParts
-from dpex._shipfile import ShipmentRef, ShipmentUnavailable, map_shipment
-from dpex._spec import WorkerSpec
+from dpex._shipfile import ShipmentUnavailable, map_shipment
+from dpex._spec import Parcel, WorkerSpec
 from dpex.client import _shipment
 from dpex.client._shipment import Shipment
 from dpex.client._workers import deliver
@@ -46,7 +46,7 @@ class Base:
 
     def __init__(self, key, data):
         self.key = key
-        self.view = bytes(map_shipment(data) if isinstance(data, ShipmentRef) else data)
+        self.view = bytes(map_shipment(data.ref) if data.ref is not None else data.view())
         self.sessions = 0
         self.live = True
 
@@ -165,12 +165,10 @@ class World:
     def run(self, start):
         it, host = start.it, self.host(start.node)
         host.cache.forget(start.spec.replaces)
-        if start.shipped is None:
-            data = start.spec.local
-        else:
-            data = self.store.objects[start.shipped.hex()]
+        stored = None if start.shipped is None else Parcel(self.store.objects[start.shipped.hex()])
         try:
-            base = self.loop.run_until_complete(host.cache.base_for(start.spec.shipment, data))
+            shipped = Parcel.delivered(stored, start.spec.local, start.node)
+            base = self.loop.run_until_complete(host.cache.base_for(start.spec.shipment, shipped))
         except ShipmentUnavailable as exc:
             self.unavailable += 1
             if it.live:

@@ -226,7 +226,7 @@ async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_wh
     import cloudpickle
     from torch.utils.data import _DatasetKind
 
-    from dpex._spec import ShippedLoader, WorkerSpec
+    from dpex._spec import Parcel, ShippedLoader, WorkerSpec
     from dpex.errors import WorkerStartupError
 
     with socket.socket() as s:  # a port nobody listens on
@@ -239,7 +239,7 @@ async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_wh
     with pytest.raises(WorkerStartupError) as err:
         shipped = cloudpickle.dumps(ShippedLoader(list(range(4)), _DatasetKind.Map, True,
                                                   None, False, None))
-        await asyncio.wait_for(bare_worker(1.5).serve(spec, shipped), 20)
+        await asyncio.wait_for(bare_worker(1.5).serve(spec, Parcel(shipped)), 20)
     text = str(err.value)
     assert f"tcp://127.0.0.1:{port}" in text and "within 1.5 s" in text
     assert "DPEX_ADVERTISE_ADDRESS" in text and "DPEX_PORT_RANGE" in text

@@ -9,7 +9,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from dpex._protocol import Kind, Wire
 from dpex._security import SessionKeys
-from dpex._spec import ShippedLoader, WorkerSpec
+from dpex._spec import Parcel, ShippedLoader, WorkerSpec
 from dpex._transport import Receiver
 from dpex.server._task_runner import TaskRunner
 
@@ -29,7 +29,7 @@ def replacement(dataset=None) -> TaskRunner:
     spec = WorkerSpec(wire=WIRE, worker_id=0, num_workers=1, base_seed=1,
                       data_address="", control_address="", keys=SessionKeys.new().client,
                       incarnation=1)
-    return TaskRunner(spec, shipped)
+    return TaskRunner(spec, Parcel(shipped))
 
 
 def batch(state: TaskRunner, epoch: int, seq: int):
@@ -80,7 +80,7 @@ def test_an_error_over_max_message_bytes_still_reaches_the_trainer_as_an_error()
         collate_fn=default_collate, drop_last=False, worker_init_fn=None))
     spec = WorkerSpec(wire=wire, worker_id=0, num_workers=1, base_seed=1, data_address="",
                       control_address="", keys=SessionKeys.new().client)
-    msg = Receiver(wire).decode(TaskRunner(spec, shipped).run_task(1, 0, [2, 3]))  # not dropped
+    msg = Receiver(wire).decode(TaskRunner(spec, Parcel(shipped)).run_task(1, 0, [2, 3]))  # not dropped
     assert msg.kind is Kind.ERROR and msg.payload.exc_type is ValueError
     text = msg.payload.exc_msg
     assert "ValueError: start xxx" in text and text.rstrip().endswith("end")
@@ -147,7 +147,7 @@ def test_a_batch_says_how_long_its_worker_worked_on_it():
         collate_fn=default_collate, drop_last=False, worker_init_fn=None))
     spec = WorkerSpec(wire=wire, worker_id=0, num_workers=1, base_seed=1, data_address="",
                       control_address="", keys=SessionKeys.new().client)
-    runner = TaskRunner(spec, shipped)
+    runner = TaskRunner(spec, Parcel(shipped))
     time.sleep(0.05)  # (idle time before the task is none of its time)
     msg = Receiver(wire).decode(runner.run_task(1, 0, [2, 3]))
     assert msg.kind is Kind.BATCH and 20_000 <= msg.took_us < 50_000

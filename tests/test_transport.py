@@ -21,7 +21,7 @@ from dpex._codec import decode_batch
 from dpex._protocol import Kind, Wire
 from dpex._security import SessionKeys
 from dpex._shm import TrainerRing, WorkerRing
-from dpex._spec import ShippedLoader, WorkerSpec
+from dpex._spec import Parcel, ShippedLoader, WorkerSpec
 from dpex._transport import SOCKET, MemoryTransport, Receiver, RingTransport, encode_data
 from dpex.client._scheduler import EPOCH_END, EpochScheduler, SendTasks
 from dpex.errors import ProtocolError
@@ -169,7 +169,7 @@ def run_epochs(t: Transports, loader: DataLoader, workers: int, epochs: int, see
     keys = SessionKeys.new().client
     runners = [TaskRunner(WorkerSpec(wire=WIRE, worker_id=w, num_workers=workers, base_seed=3,
                                      data_address="", control_address="", keys=keys),
-                          shipped, transport=t.senders[w]) for w in range(workers)]
+                          Parcel(shipped), transport=t.senders[w]) for w in range(workers)]
     torch.manual_seed(torch_seed)
     sched = EpochScheduler(workers, 2)
     for w in range(workers):

@@ -15,7 +15,6 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from dpex._shipfile import ShipmentUnavailable
 from dpex._spec import Parcel, WorkerSpec
 from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
@@ -190,21 +189,23 @@ class DpexWorker:
         with self._lock:
             self._counters["control_rejected"] += 1
 
-    async def serve(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
+    async def serve(self, spec: WorkerSpec, stored: Parcel | None) -> None:
         """Serve one session until STOP, cancellation or silence. Raises if set-up fails
         (the worker's traffic is counted in ``fleet_stats``). A fleet's session
         (``spec.pooled``) runs in a process of its own, see
-        :mod:`dpex.server._session_process`."""
+        :mod:`dpex.server._session_process`. ``stored``: the object store's copy of the
+        pickled loader, or None where the trainer's memfd serves (``spec.local``)."""
         if self.draining:
             return  # a clean end: the trainer moves the session to a worker that stays
         with self._lock:
             self._counters["sessions_served"] += 1
+        shipped = Parcel.delivered(stored, spec.local, self.placement["node_id"])
         if spec.pooled:
             await self._serve_in_child(spec, shipped)
         else:
-            await self._serve_here(spec, shipped)
+            await self._server.serve(spec, shipped)
 
-    async def _serve_in_child(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
+    async def _serve_in_child(self, spec: WorkerSpec, shipped: Parcel) -> None:
         loop = asyncio.get_running_loop()
         session = Session()
         self._sessions.add(session)
@@ -215,19 +216,12 @@ class DpexWorker:
             if self._node is not None and spec.shipment is not None:
                 use = await loop.run_in_executor(None, self._node.use, spec.shipment)
             self._bases.forget(spec.replaces)  # a changed dataset's: not kept idle
-            if shipped is None:  # on the trainer's node: its memfd (dpex._shipfile)
-                shipped = spec.local
-                if shipped is not None and shipped.node_id != self.placement["node_id"]:
-                    raise ShipmentUnavailable(
-                        f"the trainer's copy of the dataset is on node {shipped.node_id}, "
-                        f"this worker on {self.placement['node_id']}")
             try:
-                base = await self._bases.base_for(
-                    spec.shipment, shipped.view() if isinstance(shipped, Parcel) else shipped)
+                base = await self._bases.base_for(spec.shipment, shipped)
             except LookupError as exc:
                 raise WorkerStartupError(str(exc)) from None
-            if base is not None and isinstance(shipped, Parcel):
-                shipped.take()  # the base holds it: this call keeps no view of it
+            if base is not None:
+                shipped.drop()  # the base holds it: this call keeps no view of it
             view = self._ray_view  # (a fleet's session: its trainer's namespace)
             if view is not None and view.namespace is None and spec.namespace is not None:
                 view = view._replace(namespace=spec.namespace)
@@ -249,7 +243,3 @@ class DpexWorker:
             if use is not None:
                 self._node.unuse(use)
         child.raise_outcome()
-
-    async def _serve_here(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
-        """Serve one session in this process (:class:`SessionServer`)."""
-        await self._server.serve(spec, shipped)

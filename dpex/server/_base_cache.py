@@ -25,6 +25,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from dpex._spec import Parcel
+
 __all__ = ["IDLE_BASES", "Base", "BaseCache"]
 
 IDLE_BASES = 3  # fork bases a host keeps while no session uses them (the latest ones)
@@ -54,11 +56,12 @@ class BaseCache:
         if key in self._recent:
             self._recent.remove(key)
 
-    async def base_for(self, key: str | None, data: Any) -> Base | None:
+    async def base_for(self, key: str | None, shipped: Parcel) -> Base | None:
         """The base of shipment ``key`` (counted as used: :meth:`release` it), started
-        from ``data`` if there is none, it died or its start failed; None when it cannot
-        be used (or ``key`` is None). Raises what the start raised (to every session
-        waiting for it); ``LookupError`` where a start is needed and ``data`` is None."""
+        from ``shipped`` if there is none, it died or its start failed; None when it
+        cannot be used (or ``key`` is None). Raises what the start raised (to every
+        session waiting for it); ``LookupError`` where a start is needed and ``shipped``
+        holds nothing (a fleet worker given no bytes: the node's base serves it)."""
         if key is None:
             return None
         self.forget(key)
@@ -72,10 +75,10 @@ class BaseCache:
         if pending is None:
             self._bases.pop(key, None)
             self.retire()
-            if data is None:
+            if shipped.empty:
                 raise LookupError("no copy of the dataset reached this worker")
             pending = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
-                None, self._start, key, data))
+                None, self._start, key, shipped))
             self._bases[key] = pending
         try:
             return self._use(await asyncio.shield(pending))

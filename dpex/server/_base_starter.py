@@ -15,10 +15,11 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from dpex._spec import Parcel
 from dpex.server._fork_base import BaseUnsafe, ForkBase
 from dpex.server._node_bases import NodeBases, Published
 from dpex.server._session_process import START_STATE, mp_context, restore_state
-from dpex.server._task_runner import load_shipped
+from dpex.server._task_runner import load_pickled
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
@@ -81,7 +82,7 @@ class BaseStarter:
             old.stop()  # (the bases forked from it live on)
         parent = ForkBase(mp_context(), "libraries")
         try:
-            parent.start("\n".join(names).encode(), self._prepare(), _import_libraries,
+            parent.start(Parcel("\n".join(names).encode()), self._prepare(), _import_libraries,
                          watch=False)
         except BaseUnsafe as exc:
             logger.info("dpex: %s; fork bases start from the forkserver", exc)
@@ -92,17 +93,17 @@ class BaseStarter:
             self._parent, self._parent_has = parent, len(names)
         return parent
 
-    def start(self, key: str, data: Any) -> ForkBase | Published | None:
+    def start(self, key: str, shipped: Parcel) -> ForkBase | Published | None:
         """A started fork base for shipment ``key`` (blocking), None if it cannot be used;
         a fleet's: the one this node's workers share, started here if there is none."""
         if self._node is not None:
-            return self._node.start(key, functools.partial(self._start, key, data))
-        return self._start(key, data)
+            return self._node.start(key, functools.partial(self._start, key, shipped))
+        return self._start(key, shipped)
 
-    def _start(self, key: str, data: Any) -> ForkBase | None:
+    def _start(self, key: str, shipped: Parcel) -> ForkBase | None:
         base = ForkBase(mp_context(), key, parent=self._library_base())
         try:
-            base.start(data, self._prepare(), load_shipped)
+            base.start(shipped, self._prepare(), load_pickled)
         except BaseUnsafe as exc:
             logger.warning("%s: each session unpickles the dataset itself", exc)
             return None

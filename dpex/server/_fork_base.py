@@ -90,10 +90,11 @@ from multiprocessing import connection, reduction, spawn
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dpex._shipfile import ShipmentRef, ShipmentUnavailable, map_shipment
+from dpex._shipfile import ShipmentUnavailable, map_shipment
+from dpex._spec import Parcel
 from dpex.server._unpickling import UnpicklingWatch
 
-__all__ = ["ForkBase", "PRELOADED", "BaseUnsafe", "preloaded", "enter_base_state"]
+__all__ = ["ForkBase", "BaseUnsafe", "preloaded", "enter_base_state"]
 
 _READY_S = 600.0  # how long a host waits for a base to unpickle its loader
 
@@ -112,18 +113,6 @@ class _PerWorker:
 
     def __init__(self, load: Callable[..., Any], data: Any, why: str) -> None:
         self.load, self.data, self.why = load, data, why
-
-
-class _Preloaded:
-    """What a session forked from a base gets instead of the pickled loader."""
-
-    __slots__ = ()
-
-    def __reduce__(self) -> str:
-        return "PRELOADED"
-
-
-PRELOADED = _Preloaded()
 
 
 class BaseUnsafe(RuntimeError):
@@ -346,10 +335,10 @@ class ForkBase:
         self._address: str | None = None
         self._lock = threading.Lock()
 
-    def start(self, data: Any, prepare: Callable[[], None], load: Callable[..., Any],
+    def start(self, shipped: Parcel, prepare: Callable[[], None], load: Callable[..., Any],
               timeout: float = _READY_S, watch: bool = True) -> None:
-        """Fork the base, hand it ``data`` (the pickled loader, a bytes-like object, or
-        a :class:`~dpex._shipfile.ShipmentRef` to the trainer's memfd holding it) and
+        """Fork the base, hand it ``shipped`` (the pickled loader's bytes, or the trainer's
+        memfd holding it, which the base maps itself; ``shipped`` keeps what it holds) and
         wait until ``load(data)`` is done there (after ``prepare()``; both pickled by
         reference; ``watch``: ``load`` takes an ``unpickler`` and a ``lend`` keyword and
         the base watches what unpickling does, :mod:`dpex.server._unpickling`); raises
@@ -365,11 +354,9 @@ class ForkBase:
         alive_r.close()
         base_link.close()
         try:
-            if isinstance(data, ShipmentRef):
-                link.send(data)  # the base reads the trainer's memfd itself
-            else:
-                link.send(None)
-                link.send_bytes(data)  # (from the object store's copy: nothing kept here)
+            link.send(shipped.ref)  # the trainer's memfd: the base maps it itself
+            if shipped.ref is None:
+                link.send_bytes(shipped.view())  # (the object store's copy: nothing kept)
             said = link.recv() if link.poll(timeout) else ("unsafe", "no answer")
         except (EOFError, OSError):
             proc.join(1.0)

@@ -106,7 +106,7 @@ class SessionServer:
         self.computes: weakref.WeakSet[threading.Thread] = (
             weakref.WeakSet() if computes is None else computes)
 
-    async def serve(self, spec: WorkerSpec, shipped: Parcel | bytes) -> None:
+    async def serve(self, spec: WorkerSpec, shipped: Parcel) -> None:
         """Serve one session in this process.
 
         This (asyncio) thread owns the control socket and feeds tasks to one compute
@@ -185,7 +185,7 @@ class SessionServer:
             for answer in session.answers:
                 answer.cancel()
 
-    def _compute(self, spec: WorkerSpec, shipped: Parcel | bytes, ring: WorkerRing | None,
+    def _compute(self, spec: WorkerSpec, shipped: Parcel, ring: WorkerRing | None,
                  inbox: queue.SimpleQueue, halt: threading.Event,
                  loop: asyncio.AbstractEventLoop, done: asyncio.Future,
                  session: Session) -> None:

@@ -32,13 +32,13 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from dpex._shipfile import ShipmentRef, map_shipment
-from dpex.server._fork_base import PRELOADED, ForkBase, enter_base_state, libraries_since
+from dpex._spec import PRELOADED, Parcel
+from dpex.server._fork_base import ForkBase, enter_base_state, libraries_since
 from dpex.server._session import SessionServer
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
-    from dpex._spec import Parcel, WorkerSpec
+    from dpex._spec import WorkerSpec
 
 __all__ = ["START_STATE", "SessionProcess", "SessionWorker", "mp_context", "prestart",
            "restore_state"]
@@ -169,7 +169,7 @@ def _preload_file(names: list[str]) -> str | None:
 class SessionProcess:
     """The fleet worker's handle on one session's child process."""
 
-    def __init__(self, worker_class: type, spec: Any, shipped: Any, placement: dict,
+    def __init__(self, worker_class: type, spec: Any, shipped: Parcel, placement: dict,
                  session_timeout: float, ray_view: JobView | None = None,
                  base: ForkBase | None = None) -> None:
         """``worker_class(placement, session_timeout, counts)`` serves the session in the
@@ -184,7 +184,7 @@ class SessionProcess:
         self._conn, child_end = ctx.Pipe()
         self._child_end: Connection | None = child_end
         if base is not None:
-            shipped = PRELOADED
+            shipped = PRELOADED  # (its base holds the loader)
         self._proc = (ctx.Process if base is None else base.process)(
             target=_main, name=f"dpex-session-{spec.worker_id}", daemon=True,
             args=(worker_class, spec, shipped, placement, session_timeout, self.counts,
@@ -194,7 +194,7 @@ class SessionProcess:
         self._lock = threading.Lock()  # start and stop run on executor threads
         self._stopped = False
         self._outcome: BaseException | None = None
-        self._shipped = shipped  # (a Parcel: emptied once the child has its copy)
+        self._shipped = shipped  # (dropped once the child has its copy)
 
     def counters(self) -> dict[str, int]:
         return dict(zip(COUNTERS, self.counts, strict=True))
@@ -207,9 +207,7 @@ class SessionProcess:
             self._proc.start()
             self._child_end.close()
             self._child_end = None
-            take = getattr(self._shipped, "take", None)
-            if take is not None:
-                take()  # the child has its own copy: this process keeps none
+            self._shipped.drop()  # the child has its own copy: this process keeps none
 
     async def wait(self, stop: asyncio.Event) -> None:
         """Until the child ends or ``stop`` is set. The child is watched by its pid (a
@@ -287,14 +285,14 @@ class SessionProcess:
             raise self._outcome
 
 
-def _main(worker_class: type, spec: Any, shipped: Any, placement: dict,
+def _main(worker_class: type, spec: Any, shipped: Parcel, placement: dict,
           session_timeout: float, counts: Any, conn: Connection,
           ray_view: JobView | None = None,
           start_state: tuple[dict, list, str | None] | None = None) -> None:
     """The child: serve one session until it ends, the fleet worker asks, or dies."""
     if start_state is not None:
         restore_state(start_state)  # as the worker started, not as its forkserver did
-    if shipped is PRELOADED:  # forked from a fork base: the trainer's state, applied there
+    if shipped.preloaded:  # forked from a fork base: the trainer's state, applied there
         enter_base_state()
     if ray_view is not None:
         # Ray is imported here but not connected: the first Ray call of the dataset's
@@ -306,9 +304,9 @@ def _main(worker_class: type, spec: Any, shipped: Any, placement: dict,
         join_on_first_call(ray_view)
     outcome: BaseException | None = None
     try:
-        if isinstance(shipped, ShipmentRef):  # the trainer's memfd: read before HELLO,
-            shipped = map_shipment(shipped)  # after which the trainer may close it
-            # (ShipmentUnavailable goes back as it is: the trainer starts it again)
+        shipped.map_now()  # the trainer's memfd, if it is one: read before HELLO, after
+        # which the trainer may close it (ShipmentUnavailable goes back as it is: the
+        # trainer starts it again)
         worker = worker_class(placement, session_timeout, counts)
         asyncio.run(worker.serve_until_told(spec, shipped, conn))
     except BaseException as exc:
@@ -344,7 +342,7 @@ class SessionWorker:
     def _count_rejected(self) -> None:
         self._counts[2] += 1  # one writer: this session's control reader
 
-    async def serve_until_told(self, spec: WorkerSpec, shipped: Parcel | bytes, conn: Any) -> None:
+    async def serve_until_told(self, spec: WorkerSpec, shipped: Parcel, conn: Any) -> None:
         """Serve until the session ends, or the fleet worker says stop or dies."""
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(self._server.serve(spec, shipped))

@@ -20,7 +20,6 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex import _framed
 from dpex._protocol import Kind, ProtocolError
-from dpex._shipfile import ShipmentRef, map_shipment
 from dpex._shm import WorkerRing, collating_into
 from dpex._spec import (
     Parcel,
@@ -32,7 +31,7 @@ from dpex._spec import (
 )
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
-from dpex.server._fork_base import PRELOADED, preloaded
+from dpex.server._fork_base import preloaded
 from dpex.server._rng import (
     RngLog,
     RngRecorder,
@@ -44,7 +43,7 @@ from dpex.server._rng import (
 )
 from dpex.server._trainer_state import enter_trainer_state
 
-__all__ = ["TaskRunner", "load_shipped"]
+__all__ = ["TaskRunner", "load_pickled", "load_shipped"]
 
 logger = logging.getLogger("dpex")
 
@@ -61,22 +60,27 @@ def _seed_like_torch(base_seed: int, worker_id: int) -> int:
     return seed
 
 
-def load_shipped(shipped: Any, *, lend: bool | None = None, unpickler: Any = None) -> ShippedLoader:
-    """The shipped loader, unpickled from bytes or from a :class:`Parcel` (taken: its
-    bytes are not kept once unpickled), or the one the fork base this process was
-    forked from unpickled (:data:`~dpex.server._fork_base.PRELOADED`). ``lend`` and
+def load_shipped(shipped: Parcel, *, lend: bool | None = None,
+                 unpickler: Any = None) -> ShippedLoader:
+    """The shipped loader, unpickled from ``shipped`` (taken: its bytes are not kept once
+    unpickled; the trainer's memfd mapped here, :class:`ShipmentUnavailable` if it is
+    gone, and the trainer starts the worker again), or the one the fork base this
+    process was forked from unpickled (``shipped.preloaded``). ``lend`` and
     ``unpickler``: as :func:`dpex._framed.loads` takes them."""
-    if shipped is PRELOADED:
+    if shipped.preloaded:
         return preloaded()
-    if isinstance(shipped, ShipmentRef):  # the trainer's memfd, on its node (if it is
-        shipped = map_shipment(shipped)  # gone: ShipmentUnavailable, the trainer retries)
-    if isinstance(shipped, Parcel):
-        shipped = shipped.take()
-        if shipped is None:
-            raise WorkerStartupError("the shipped loader was unpickled once already")
-    shipped = enter_trainer_state(shipped)  # the trainer's directory and env first
+    data = shipped.take()
+    if data is None:
+        raise WorkerStartupError("the shipped loader was unpickled once already")
+    return load_pickled(data, lend=lend, unpickler=unpickler)
+
+
+def load_pickled(data: Any, *, lend: bool | None = None, unpickler: Any = None) -> ShippedLoader:
+    """The shipped loader unpickled from its bytes (a bytes-like object: what a fork
+    base holds), the trainer's directory and environment applied first."""
+    data = enter_trainer_state(data)
     try:
-        return _framed.loads(shipped, lend=lend, unpickler=unpickler)
+        return _framed.loads(data, lend=lend, unpickler=unpickler)
     except ModuleNotFoundError as exc:
         raise WorkerStartupError(
             f"cannot unpickle the dataset: this worker cannot import module {exc.name!r}, "
@@ -98,7 +102,7 @@ class TaskRunner:
     worker has no fetcher until the next epoch.
     """
 
-    def __init__(self, spec: WorkerSpec, shipped: Any, node: str = "?",
+    def __init__(self, spec: WorkerSpec, shipped: Parcel, node: str = "?",
                  ring: WorkerRing | None = None, transport: Transport | None = None) -> None:
         """``ring``: the trainer's shared-memory ring when this worker shares its node
         (batches are collated into it and travel through it); ``transport``: how
