@@ -32,6 +32,7 @@ import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["TrainerState", "capture", "environment_changes", "initial_environment",
            "wrap", "unwrap", "SHIP_ENV", "looks_secret", "shipped_variable"]
@@ -148,12 +149,12 @@ def wrap(state: TrainerState, loader_bytes: bytes) -> bytes:
     return _MAGIC + _LENGTH.pack(len(head)) + head + loader_bytes
 
 
-def unwrap(shipped: bytes) -> tuple[TrainerState | None, bytes | memoryview]:
+def unwrap(data: Any) -> tuple[TrainerState | None, bytes | memoryview]:
     """(the trainer's state, the loader's pickle: a view, not a copy); ``None`` for
     bytes that carry no state (a loader pickled directly, as tests do)."""
-    view = memoryview(shipped)
+    view = memoryview(data)
     if bytes(view[:len(_MAGIC)]) != _MAGIC:
-        return None, shipped
+        return None, data
     at = len(_MAGIC) + _LENGTH.size
     (n,) = _LENGTH.unpack_from(view, len(_MAGIC))
     head = json.loads(bytes(view[at:at + n]))

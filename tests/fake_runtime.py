@@ -55,6 +55,7 @@ from dpex.client._events import RngReply, WorkerExit, WorkerHello
 from dpex.client._launch import plan_launch
 from dpex.client._runtime import Seeds
 from dpex.client._scheduler import EPOCH_END, Control, SendTasks
+from dpex.client._shipment import Shipment
 
 __all__ = ["Session", "Loop", "Workers", "Runtime", "Owner", "driver", "draws", "hello",
            "batch", "rng_state", "start", "start_shards", "take", "rest", "indices",
@@ -422,7 +423,7 @@ def driver(num_workers=2, startup_timeout=120.0, max_restarts=3, *, live=False,
     owner.driver = d = EpochDriver(
         runtime, handoff, DpexConfig(startup_timeout=startup_timeout,
                                      max_worker_restarts=max_restarts, **config),
-        plan, Seeds(base=100, shared=None), ship=lambda: (Delivery(), False), shipped_bytes=10,
+        plan, Seeds(base=100, shared=None), ship=lambda: Shipment(Delivery(), False, 10),
         node_id="node", prefetch_factor=2, in_order=True, iterable=iterable, timeout=0,
         on_stop=owner.stop, on_scaled=owner.scaled.append,
         free_resources=lambda: {"CPU": 0.0})

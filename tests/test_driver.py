@@ -51,7 +51,7 @@ def test_a_failed_start_closes_the_runtime_it_was_given():
         EpochDriver(runtime, queue.SimpleQueue(), DpexConfig(),
                     plan_launch(num_workers=1, scaled_to=None, prefetch_factor=2,
                                 iterable=False, worker_seeding="torch", resume=None),
-                    Seeds(1, None), ship=ship, shipped_bytes=1, node_id="n",
+                    Seeds(1, None), ship=ship, node_id="n",
                     prefetch_factor=2, in_order=True, iterable=False, timeout=0,
                     on_stop=Owner().stop, on_scaled=lambda n: None)
     assert runtime.closed and runtime.workers.calls == [("stop",)]

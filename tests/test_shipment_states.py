@@ -30,7 +30,6 @@ from dpex._framed import PickleParts
 from dpex._shipfile import ShipmentUnavailable, map_shipment
 from dpex._spec import Parcel, WorkerSpec
 from dpex.client import _shipment
-from dpex.client._shipment import Shipment
 from dpex.client._workers import deliver
 from dpex.server._base_cache import BaseCache
 
@@ -71,10 +70,10 @@ class Loader:
 
 
 class Iterator:
-    def __init__(self, loader, delivery, digest, replaced, workers):
+    def __init__(self, loader, shipment, workers):
         self.loader, self.content = loader, loader.content
-        self.shipment = Shipment(delivery, False, len(loader.content))
-        self.digest, self.replaced = digest, replaced
+        self.shipment = shipment
+        self.digest, self.replaced = shipment.digest, shipment.replaced
         self.first = set(range(workers))
         self.started: dict[int, tuple] = {}  # worker -> (host, base)
         self.live = True
@@ -125,11 +124,10 @@ class World:
         for it in self.iterators:  # a loader's new iterator ends its last one
             if it.loader is loader and it.live:
                 self.close(it)
-        parts = self.parts(loader.content)
-        delivery, _, replaced, digest = _shipment.ship(
-            loader, parts, lambda content=loader.content: self.parts(content))
-        delivery._put = self.store.put  # (Ray's object store: a dict here)
-        it = Iterator(loader, delivery, digest, replaced, self.rng.randint(1, 3))
+        shipment = _shipment.ship(loader, loader.content,
+                                  pickle=lambda content, fleet: self.parts(content))
+        shipment.delivery._put = self.store.put  # (Ray's object store: a dict here)
+        it = Iterator(loader, shipment, self.rng.randint(1, 3))
         self.iterators.append(it)
         for w in sorted(it.first):
             node = OTHER if self.rng.random() < 0.15 else NODE

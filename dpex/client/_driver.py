@@ -103,8 +103,8 @@ class EpochDriver:
     """
 
     def __init__(self, runtime: Runtime, handoff: Handoff, config: DpexConfig,
-                 plan: LaunchPlan, seeds: Seeds, *, ship: Callable[[], tuple[Any, bool]],
-                 shipped_bytes: int, node_id: str, prefetch_factor: int, in_order: bool,
+                 plan: LaunchPlan, seeds: Seeds, *, ship: Callable[[], Shipment],
+                 node_id: str, prefetch_factor: int, in_order: bool,
                  iterable: bool, timeout: float, on_stop: Callable[[], None],
                  on_scaled: Callable[[int], None],
                  free_resources: Callable[[], dict] = ray.available_resources) -> None:
@@ -140,12 +140,10 @@ class EpochDriver:
             self.deadlines = Deadlines(
                 time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
                 lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
-            # (kept: replacements load the same object)
-            ref, reused, *keys = ship()
-            for rec in self.sched.workers.records if keys else ():
-                # (the digest it replaces, and the shipment's own: see ship())
-                rec.spec = dataclasses.replace(rec.spec, replaces=keys[0], shipment=keys[1])
-            self.shipment = Shipment(ref, reused, shipped_bytes)
+            self.shipment = ship()  # (kept: replacements load the same bytes)
+            for rec in self.sched.workers.records:
+                rec.spec = dataclasses.replace(rec.spec, replaces=self.shipment.replaced,
+                                               shipment=self.shipment.digest)
             runtime.start(self.specs, self.shipment)
         except BaseException:
             runtime.close()

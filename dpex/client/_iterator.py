@@ -34,7 +34,6 @@ from dpex.client._report import iterator_stats
 from dpex.client._runtime import Runtime
 from dpex.client._scheduler import EPOCH_END
 from dpex.client._shipment import ship
-from dpex.client._shipping import ship_loader
 from dpex.client._taken import TakenRecord
 from dpex.client._workers import WorkerProcess
 from dpex.client.resume import Drawing, IteratorPosition, distributed_seed
@@ -81,12 +80,10 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             # As torch: DataPipes are sharded across ranks and workers before worker_init_fn.
             worker_init_fn = functools.partial(
                 _sharding_worker_init_fn, worker_init_fn, self._world_size, self._rank)
-        pickle_again = functools.partial(ship_loader, ShippedLoader(
+        contents = ShippedLoader(
             dataset=self._dataset, dataset_kind=self._dataset_kind,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-            drop_last=self._drop_last, worker_init_fn=worker_init_fn,
-        ), fleet=config.worker_pool is not None)
-        shipped = pickle_again()
+            drop_last=self._drop_last, worker_init_fn=worker_init_fn)
         handoff = Handoff()
         number = next(_iterator_ids)
         label = f"iterator {number} of a DpexDataLoader over {type(self._dataset).__name__}"
@@ -102,13 +99,11 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                                   iterable and stateful_dataset(self._dataset), plan.shards)
         self._driver = EpochDriver(
             runtime, handoff, config, plan, Seeds(self._base_seed, self._shared_seed),
-            ship=functools.partial(ship, loader, shipped, pickle_again),
-            shipped_bytes=len(shipped),
+            ship=functools.partial(ship, loader, contents, fleet=config.worker_pool is not None),
             node_id=ray.get_runtime_context().get_node_id(),
             prefetch_factor=loader.prefetch_factor,
             in_order=loader.in_order, iterable=iterable, timeout=self._timeout,
             on_stop=self._shutdown_workers, on_scaled=_scaled(self._loader_ref))
-        del shipped  # (the delivery holds its own copy, until its workers have started)
         self._reset(loader, first_iter=True)
 
     # -- epochs --------------------------------------------------------------------

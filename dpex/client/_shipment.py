@@ -9,6 +9,7 @@ processes ] in :mod:`dpex.server._fork_base`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -17,7 +18,8 @@ from typing import Any, NamedTuple
 import ray
 
 from dpex._shipfile import Delivery, ShipmentUnavailable
-from dpex._spec import PickledLoader
+from dpex._spec import PickledLoader, ShippedLoader
+from dpex.client._shipping import ship_loader
 
 __all__ = ["SHIPPED", "Shipment", "ShipmentMemo", "ship"]
 
@@ -81,17 +83,17 @@ def _store(data: Any, refs: tuple) -> Any:
     return ray.put(PickledLoader(*getattr(data, "parts", (data,)), refs=refs))
 
 
-def ship(loader: Any, shipped: Any, repickle: Callable[[], Any]) -> tuple[Delivery, bool,
-                                                                          str | None, str]:
-    """The iterator's :class:`~dpex._shipfile.Delivery` of ``shipped`` (a memfd for the
-    hosts on this node, Ray's object store for the others: kept, replacements load the
-    same bytes), whether it is the loader's previous iterator's (the same bytes: its
-    hosts hold it already, nothing is put or moved again), the digest of the one it
-    replaces if the dataset changed (hosts drop what they hold of that one: it is never
-    served again), and its own digest (hosts hold one unpickled copy per digest: a
-    loader Lightning rebuilds with the same dataset finds it there). ``repickle()``:
-    the loader pickled again, for a worker started after the memfd was closed."""
-    digest = shipped.digest()
+def ship(loader: Any, contents: ShippedLoader, *, fleet: bool = False,
+         pickle: Callable[..., Any] = ship_loader) -> Shipment:
+    """The iterator's :class:`Shipment` of ``contents`` (``loader``'s parts): pickled
+    here (:func:`~dpex.client._shipping.ship_loader`, for a fleet's workers if
+    ``fleet``), then delivered (:class:`~dpex._shipfile.Delivery`: a memfd for the hosts
+    on this node, Ray's object store for the others; kept, replacements load the same
+    bytes, and pickled again for a worker started after the memfd was closed).
+    ``pickle``: what pickles it (a test's stand-in)."""
+    again = functools.partial(pickle, contents, fleet=fleet)
+    parts = again()
+    digest = parts.digest()
     memo = SHIPPED
     seen = memo.record(loader, digest)
     owner = weakref.ref(loader)
@@ -100,12 +102,12 @@ def ship(loader: Any, shipped: Any, repickle: Callable[[], Any]) -> tuple[Delive
         if owner() is not None:
             memo.stored(owner(), digest, ref)
 
-    delivery = Delivery(shipped, ray.get_runtime_context().get_node_id(), digest,
-                        stored=seen.stored, put=_store, repickle=repickle,
+    delivery = Delivery(parts, ray.get_runtime_context().get_node_id(), digest,
+                        stored=seen.stored, put=_store, repickle=again,
                         on_stored=stored, keep=not seen.before)
     reused = seen.previous == digest
     replaced = seen.previous.hex() if seen.previous is not None and not reused else None
-    return delivery, reused, replaced, digest.hex()
+    return Shipment(delivery, reused, len(parts), replaced)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +119,16 @@ class Shipment:
     processes ] in :mod:`dpex.server._fork_base`."""
 
     delivery: Delivery
-    reused: bool
+    reused: bool  # the same bytes as the loader's previous iterator's: its hosts hold them
     size: int
+    # The digest of the loader's previous shipment where the dataset changed: hosts drop
+    # what they hold of it (it is never served again).
+    replaced: str | None = None
 
     @property
     def digest(self) -> str:
-        """What a host keys its fork base by (hex)."""
+        """What a host keys its fork base by (hex): one unpickled copy per digest, so a
+        loader Lightning rebuilds with the same dataset finds it there."""
         return self.delivery.digest.hex()
 
     def release_local(self) -> None:

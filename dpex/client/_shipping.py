@@ -179,9 +179,9 @@ def _say_environment(state: TrainerState) -> None:
         if not any(names) or names in _said:
             return
         _said.add(names)
-    shipped = "; ".join(f"{how} {', '.join(some)}" for how, some in (
+    listed = "; ".join(f"{how} {', '.join(some)}" for how, some in (
         ("set", names[0]), ("removed", names[1])) if some) or "none"
-    message = f"dpex ships the trainer's environment changes to its workers: {shipped}"
+    message = f"dpex ships the trainer's environment changes to its workers: {listed}"
     if state.withheld:
         why = (f"names that look like secrets travel only if {SHIP_ENV} lists them"
                if all(map(looks_secret, state.withheld)) else
@@ -190,9 +190,9 @@ def _say_environment(state: TrainerState) -> None:
     _logger.log(logging.WARNING if state.withheld else logging.INFO, message)
 
 
-def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None, *,
+def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
                 fleet: bool = False) -> PickleParts:
-    """Cloudpickle ``shipped``, with this process's state (``state``, else captured now:
+    """Cloudpickle ``contents``, with this process's state (``state``, else captured now:
     at ``iter()``, for a fleet's workers if ``fleet``) in front for the workers to apply
     before they unpickle it, its large buffers out of band, and the object refs it holds
     beside, for Ray to count (a :class:`~dpex._framed.PickleParts`); raise :class:`DatasetNotPicklableError` naming the culprit
@@ -201,10 +201,10 @@ def ship_loader(shipped: ShippedLoader, state: TrainerState | None = None, *,
     buffers: list = []
     try:
         with _spawned_script_by_value():
-            loader_bytes = _dumps(shipped, refs, buffers)
+            loader_bytes = _dumps(contents, refs, buffers)
     except Exception as exc:
         for name in ("dataset", "collate_fn", "worker_init_fn"):
-            obj = getattr(shipped, name)
+            obj = getattr(contents, name)
             found = find_unpicklable(obj, name)
             if found is not None:
                 path, error = found

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, MutableMapping
+from typing import Any
 
 from dpex._process_state import TrainerState, unwrap
 
@@ -107,12 +108,13 @@ _lock = threading.Lock()
 _applied: AppliedState | None = None  # this process's session's, until it ends
 
 
-def enter_trainer_state(shipped: bytes) -> bytes | memoryview:
-    """Apply the trainer's state carried in front of ``shipped`` to this process (undoing
-    a previous session's, if one was left) and return the loader's pickle. Bytes that
-    carry no state are returned as they are and change nothing."""
+def enter_trainer_state(data: Any) -> bytes | memoryview:
+    """Apply the trainer's state carried in front of ``data`` (the shipment's bytes) to
+    this process (undoing a previous session's, if one was left) and return the
+    loader's pickle. Bytes that carry no state are returned as they are and change
+    nothing."""
     global _applied
-    state, loader_bytes = unwrap(shipped)
+    state, loader_bytes = unwrap(data)
     if state is None:
         return loader_bytes
     with _lock:
