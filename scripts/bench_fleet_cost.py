@@ -101,8 +101,9 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--workers", default="2,6")
     p.add_argument("--kinds", nargs="+", default=["tensor"], choices=["tensor", "strings"])
-    p.add_argument("--share-bases", action="store_true",
-                   help="start the fleets with DPEX_FLEET_SHARE_BASES=1 (docs/FLEET.md)")
+    p.add_argument("--copies", action="store_true",
+                   help="start the fleets with DPEX_FLEET_SHARE_BASES=0: a base (a copy of "
+                        "the dataset) per fleet worker, the opt-out (docs/FLEET.md)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "fleet_cost.json"))
     p.add_argument("--child", nargs=3, metavar=("ADDRESS", "KIND", "WORKERS"),
                    help=argparse.SUPPRESS)
@@ -119,8 +120,8 @@ def main() -> None:
 
     rows = []
     with raycluster.ray_head() as (address, env):
-        if args.share_bases:  # (read by `dpex fleet start`, which hands it to its workers)
-            env = dict(env, DPEX_FLEET_SHARE_BASES="1")
+        # (read by `dpex fleet start`, which hands it to its workers)
+        env = dict(env, DPEX_FLEET_SHARE_BASES="0" if args.copies else "1")
         for kind in args.kinds:
             for n in counts:
                 say(f"{kind}, {n} fleet workers ...")

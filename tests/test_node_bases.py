@@ -4,6 +4,9 @@ finds the first's base, its sessions fork from it, and the owner stops it only o
 no session of either uses it."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -59,3 +62,95 @@ def test_two_fleet_workers_of_a_node_fork_from_one_base_which_waits_for_its_user
         time.sleep(0.05)
     assert not owner.alive() and not other.alive()
     assert node_b.find(key) is None  # withdrawn: the next worker starts another
+
+
+# -- a fleet worker's death ends its own sessions, not those forked from its base -------
+
+OWNER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from test_framed import shipped
+from dpex._spec import Parcel
+from dpex.server._base_starter import BaseStarter
+from dpex.server._node_bases import NodeBases
+held = BaseStarter(None, share_libraries=False, node=NodeBases(sys.argv[2])).start(
+    sys.argv[3], Parcel(bytes(shipped(list(range(1000))))))
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+OTHER = """
+import sys, time, types
+sys.path.insert(0, sys.argv[1])
+from test_node_bases import Idle
+from dpex._spec import Parcel
+from dpex.server._base_starter import BaseStarter
+from dpex.server._node_bases import NodeBases
+from dpex.server._session_process import SessionProcess
+base = BaseStarter(None, share_libraries=False, node=NodeBases(sys.argv[2])).start(
+    sys.argv[3], Parcel())
+child = SessionProcess(Idle, types.SimpleNamespace(worker_id=0, wire=None), Parcel(), {}, 30.0, None, base)
+child.start()
+print(base.pid, child._proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+class Idle:
+    """A session's stand-in: serves until its fleet worker says stop or is gone."""
+
+    def __init__(self, placement, session_timeout, counts):
+        pass
+
+    async def serve_until_told(self, spec, shipped, conn):
+        import asyncio
+
+        told = asyncio.Event()
+        asyncio.get_running_loop().add_reader(conn.fileno(), told.set)
+        await asyncio.wait_for(told.wait(), 120)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_fleet_workers_death_ends_only_its_own_sessions_as_ray_ends_its_process_group(tmp_path):
+    # Ray starts each worker in a process group of its own (one session for all) and
+    # ends a dead worker's group; here two processes stand in for two fleet workers of
+    # a node, the first owning the node's base, the second forking a session from it.
+    here, key = os.path.dirname(__file__), "cd" * 16
+    args = [here, str(tmp_path), key]
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, *args], process_group=0,
+                             stdout=subprocess.PIPE, text=True)
+    other = None
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        other = subprocess.Popen([sys.executable, "-c", OTHER, *args], process_group=0,
+                                 stdout=subprocess.PIPE, text=True)
+        base_pid, session_pid = map(int, other.stdout.readline().split())
+        assert os.getpgid(base_pid) == owner.pid  # the base is the owner's ...
+        deadline = time.monotonic() + 10
+        while os.getpgid(session_pid) != other.pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.getpgid(session_pid) == other.pid  # ... the session its own worker's
+        os.killpg(owner.pid, signal.SIGTERM)  # the owner dies, as Ray ends it
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        time.sleep(1.0)
+        assert not _alive(base_pid)  # its base went with it
+        assert _alive(session_pid)  # the other worker's session did not
+        os.killpg(other.pid, signal.SIGKILL)  # its own worker's end reaches it
+        other.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(session_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(session_pid)
+    finally:
+        for proc in (owner, other):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)

@@ -33,16 +33,16 @@ __all__ = ["DpexWorker"]
 logger = logging.getLogger("dpex")
 
 
-SHARE_BASES = "DPEX_FLEET_SHARE_BASES"  # 1: a fleet's workers of a node share bases
+SHARE_BASES = "DPEX_FLEET_SHARE_BASES"  # 0: each fleet worker keeps bases of its own
 
 
 def _fleet_node_bases() -> NodeBases | None:
-    """A fleet worker's registry of the bases its fleet shares on this node, where the
-    fleet's environment asks for it (``DPEX_FLEET_SHARE_BASES=1``: docs/FLEET.md says
-    what it costs); None otherwise, or where it has no name (a test's actor)."""
+    """A fleet worker's registry of the bases its fleet shares on this node; None where
+    the fleet was started with ``DPEX_FLEET_SHARE_BASES=0`` (docs/FLEET.md), or where
+    it has no name (a test's actor)."""
     import ray
 
-    if os.environ.get(SHARE_BASES, "0") != "1":
+    if os.environ.get(SHARE_BASES, "1") == "0":
         return None
     ctx = ray.get_runtime_context()
     name = ctx.get_actor_name() if ctx.get_actor_id() is not None else None

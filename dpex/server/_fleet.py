@@ -61,8 +61,8 @@ def start_fleet(fleet: str, workers: int, cpus_per_worker: float = 1.0,
         raise FleetError(f"a dpex fleet named {fleet!r} is running already; stop it first "
                          f"(dpex fleet stop --name {fleet})")
     options: dict[str, Any] = {"num_cpus": cpus_per_worker, "resources": dict(resources or {})}
-    if os.environ.get(SHARE_BASES) == "1":  # (opt-in: docs/FLEET.md, what it costs)
-        options["runtime_env"] = {"env_vars": {SHARE_BASES: "1"}}
+    if os.environ.get(SHARE_BASES) == "0":  # (an opt-out: docs/FLEET.md)
+        options["runtime_env"] = {"env_vars": {SHARE_BASES: "0"}}
     return _start_workers(fleet, list(range(workers)), options, session_timeout, timeout,
                           progress, {})
 

@@ -188,7 +188,8 @@ class SessionProcess:
         self._proc = (ctx.Process if base is None else base.process)(
             target=_main, name=f"dpex-session-{spec.worker_id}", daemon=True,
             args=(worker_class, spec, shipped, placement, session_timeout, self.counts,
-                  child_end, ray_view, None if base is not None else START_STATE))
+                  child_end, ray_view, None if base is not None else START_STATE,
+                  os.getpgrp()))
         self.worker_id = spec.worker_id
         self.session_id = getattr(spec.wire, "session_id", None)
         self._lock = threading.Lock()  # start and stop run on executor threads
@@ -285,11 +286,29 @@ class SessionProcess:
             raise self._outcome
 
 
+def _join(group: int | None) -> None:
+    """Move this session into its own fleet worker's process group. A session forked
+    from a base another fleet worker of the node started (:mod:`dpex.server._node_bases`)
+    is born in that worker's group, and Ray ends a dead worker's group (SIGTERM): the
+    session would end with a worker it does not belong to, and its own worker's end
+    would not reach it. Ray starts each worker in a group of its own within one
+    session, so the move is allowed; where it is not (another session), it stays."""
+    if group is None or os.getpgrp() == group:
+        return
+    try:
+        os.setpgid(0, group)
+    except OSError:
+        pass
+
+
 def _main(worker_class: type, spec: Any, shipped: Parcel, placement: dict,
           session_timeout: float, counts: Any, conn: Connection,
           ray_view: JobView | None = None,
-          start_state: tuple[dict, list, str | None] | None = None) -> None:
-    """The child: serve one session until it ends, the fleet worker asks, or dies."""
+          start_state: tuple[dict, list, str | None] | None = None,
+          group: int | None = None) -> None:
+    """The child: serve one session until it ends, the fleet worker asks, or dies.
+    ``group``: its fleet worker's process group, which it joins (see :func:`_join`)."""
+    _join(group)
     if start_state is not None:
         restore_state(start_state)  # as the worker started, not as its forkserver did
     if shipped.preloaded:  # forked from a fork base: the trainer's state, applied there
