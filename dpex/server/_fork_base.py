@@ -5,7 +5,7 @@ that loader are forked from it.
 NOTE [ The worker host's processes ]  (the other modules of the wing point here)
 
 One shipment goes: the trainer pickles the loader at ``iter()``
-(``client/_shipping.py``), writes it into a sealed memfd (``_shipfile.Delivery``),
+(``client/_shipment.ship``), writes it into a sealed memfd (``_shipfile.Delivery``),
 hands each worker on its node a reference to it (``client/_workers.deliver``), the
 host finds or starts the base of that digest (``_base_cache.BaseCache``), the base maps
 the memfd and unpickles, and the session is forked from the base
@@ -42,13 +42,16 @@ the memfd and unpickles, and the session is forked from the base
   under torch's ``spawn``: ``_unpickling``). Says ``unavailable`` and exits when the
   memfd is gone, ``unsafe`` when unpickling left threads. Ends when the host closes
   its pipe (retired by the ``BaseCache``) or dies; its copy of the dataset goes with
-  it and with the last session that shares its pages.
+  it and with the last session that shares its pages. A fleet's: the node's fleet
+  workers share it (``_node_bases``: its owner started it; the others fork from it).
 [ session process ]  ``_session_process.SessionProcess``, forked from the base
   One worker of one iterator: its seeds, ``get_worker_info()``, ``worker_init_fn``,
   ring and sockets, as a fresh torch worker. Its dataset: the base's pages until it
-  writes them (or its own unpickling over them). Ends when its trainer ends the
-  session, when its pipe to the host reports stop or end of file (the host died), or
-  when the host kills it (hung).
+  writes them (or its own unpickling over them). In its own host's process group
+  (``_session_process._join``: forked from another fleet worker's base, it moves
+  there), which Ray ends with the host. Ends when its trainer ends the session, when
+  its pipe to the host reports stop or end of file (the host died), or when the host
+  kills it (hung).
 
 torch's workers are forks of the trainer and share its dataset copy-on-write. A dpex
 host (a worker actor serving several sessions, each in a process of its own) gets
