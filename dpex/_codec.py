@@ -9,10 +9,10 @@ a buffer given as a numpy array (a span of a shared-memory ring, a received Zero
 frame) becomes the tensor's memory as it is, unless it is not aligned for the
 tensor's dtype (then it is copied).
 
-Torch pickles a tensor's storage in-band even with protocol 5, which is why
-tensors get their own reducer here. Tensors this codec does not lift (sparse,
-quantized, subclasses) fall back to torch's own pickling. A tensor on a device
-(CUDA, ...) is refused with a clear error: a worker's batch must be on the CPU.
+The pickle path is :mod:`dpex._pickling`'s (:data:`~dpex._pickling.BATCH`: every CPU
+tensor's and plain ndarray's bytes out of band; tensors it does not lift, sparse,
+quantized, subclasses, fall back to torch's own pickling; a tensor on a device, CUDA
+or another, is refused with a clear error: a worker's batch must be on the CPU).
 
 Batches of known shapes skip pickle. A batch that is only CPU tensors and plain
 ndarrays in tuples, lists and dicts with ``str`` keys (what ``default_collate``
@@ -45,57 +45,9 @@ import cloudpickle
 import numpy as np
 import torch
 
+from dpex._pickling import BATCH, OutOfBandPickler, rebuild_ndarray, rebuild_tensor, tensor_bytes
+
 __all__ = ["encode_batch", "decode_batch", "encode_object"]
-
-
-def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _aligned(buf: np.ndarray, itemsize: int) -> bool:
-    return buf.ctypes.data % itemsize == 0
-
-
-def _rebuild_tensor(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool) -> torch.Tensor:
-    handed = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else None
-    if handed is not None and handed.data_ptr() % dtype.itemsize == 0:
-        # memory the caller hands over (a ring span, a received frame): no copy
-        out = handed.view(dtype).reshape(shape)
-    else:
-        out = torch.empty(shape, dtype=dtype)
-        src = np.frombuffer(buf, dtype=np.uint8)
-        if src.size:
-            np.copyto(out.reshape(-1).view(torch.uint8).numpy(), src)
-    if requires_grad:
-        out.requires_grad_(True)
-    return out
-
-
-def _rebuild_ndarray(buf: Any, dtype: np.dtype, shape: tuple) -> np.ndarray:
-    if isinstance(buf, np.ndarray) and _aligned(buf, dtype.itemsize):  # handed over: no copy
-        return buf.view(dtype).reshape(shape)
-    return np.frombuffer(buf, dtype=np.uint8).copy().view(dtype).reshape(shape)
-
-
-class _BatchPickler(cloudpickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            raise TypeError(
-                f"the batch holds a tensor on device {obj.device} (shape {tuple(obj.shape)}); "
-                "dpex workers send CPU tensors: return CPU tensors from the dataset and "
-                "collate_fn and move batches to the device in the training loop "
-                "(pin_memory=True makes that copy faster)")
-        if type(obj) is torch.Tensor:
-            if obj.layout == torch.strided and obj.device.type == "cpu" and not obj.is_quantized:
-                raw = pickle.PickleBuffer(_tensor_bytes(obj))
-                return _rebuild_tensor, (raw, obj.dtype, tuple(obj.shape), obj.requires_grad)
-        elif type(obj) is np.ndarray and not obj.dtype.hasobject:
-            raw = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
-            return _rebuild_ndarray, (pickle.PickleBuffer(raw), obj.dtype, obj.shape)
-        return super().reducer_override(obj)
 
 
 def encode_batch(obj: Any) -> list[Any]:
@@ -110,7 +62,7 @@ def encode_batch(obj: Any) -> list[Any]:
         return laid
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    _BatchPickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
+    OutOfBandPickler(out, buffers, BATCH).dump(obj)
     return [out.getbuffer(), *(b.raw() for b in buffers)]
 
 
@@ -185,7 +137,7 @@ def _encode_layout(obj: Any) -> list[Any] | None:
         head = _TEMPLATES[key] = _HEAD.pack(_LAYOUT, len(template)) + template
     dims = [d for leaf in leaves for d in leaf.shape]
     body = head + struct.pack(f"<{len(dims)}q", *dims)
-    return [body, *(_tensor_bytes(x) if type(x) is torch.Tensor
+    return [body, *(tensor_bytes(x) if type(x) is torch.Tensor
                     else np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves)]
 
 
@@ -224,8 +176,8 @@ class _Layout:
         for (tensor, dtype, ndim, grad), buf in zip(self.leaves, buffers, strict=True):
             shape = tuple(dims[at:at + ndim])
             at += ndim
-            built.append(_rebuild_tensor(buf, dtype, shape, grad) if tensor
-                         else _rebuild_ndarray(buf, dtype, shape))
+            built.append(rebuild_tensor(buf, dtype, shape, grad) if tensor
+                         else rebuild_ndarray(buf, dtype, shape))
         return _assemble(self.tree, built)
 
 

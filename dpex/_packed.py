@@ -5,7 +5,7 @@ it for the workers takes ~350 ns an item here (1.0 s for 2.85 M strings), and ev
 process forked from the one holding it, torch's workers and dpex's alike, copies the
 pages of the items it reads as their counts change (pytorch/pytorch#13246). Packed, the
 same strings are one UTF-8 buffer and the end offset of each: they pickle as two
-buffers out of band (:mod:`dpex._framed`), which a host maps from the trainer's memfd
+buffers out of band (:mod:`dpex._loader_pickle`), which a host maps from the trainer's memfd
 as they are, and reading an item writes nothing, so forks share every page.
 """
 

@@ -208,9 +208,10 @@ class Wire:
         mac.update(body)
         return mac.digest()
 
-    def frames(self, kind: Kind, epoch: int, seq: int, worker_id: int, body: Any,
-               buffers: Sequence[Any] = (), ready_ns: int = 0, took_us: int = 0) -> list[Any]:
-        """``[header, mac, body, *buffers]`` for one message (nothing pickled here)."""
+    def seal(self, kind: Kind, epoch: int, seq: int, worker_id: int, body: Any,
+             buffers: Sequence[Any] = (), ready_ns: int = 0, took_us: int = 0) -> list[Any]:
+        """One message's frames, ``[header, mac, body, *buffers]`` (nothing pickled
+        here); :meth:`open` checks them."""
         header = _HEADER.pack(PROTOCOL_VERSION, kind, self.session_id, epoch, seq, worker_id,
                               self.incarnation, len(buffers), ready_ns,
                               min(max(took_us, 0), 0xFFFFFFFF))
@@ -219,7 +220,7 @@ class Wire:
     def encode(self, kind: Kind, epoch: int = 0, seq: int = -1, worker_id: int = 0,
                payload: Any = None) -> list[Any]:
         """A message whose payload is pickled in-band (control messages, errors, END)."""
-        return self.frames(kind, epoch, seq, worker_id, encode_object(payload))
+        return self.seal(kind, epoch, seq, worker_id, encode_object(payload))
 
     def open(self, frames: Sequence[Any]) -> Envelope:
         """Check one multipart message (``bytes`` or ``zmq.Frame`` parts) and return it

@@ -10,7 +10,7 @@ host's fork base reads it once (``/proc/<trainer pid>/fd/<fd>``, checked by a ra
 nonce at its start, as the shared-memory rings are: :mod:`dpex._shm`), and the
 trainer closes it once every worker of the iterator has started
 (:meth:`Delivery.release_local`). The trainer writes the shipment's parts
-(:class:`~dpex._framed.PickleParts`: the pickle, and its tensors' and arrays' buffers
+(:class:`~dpex._loader_pickle.PickleParts`: the pickle, and its tensors' and arrays' buffers
 straight from their memory) and keeps no copy; a base maps the memfd copy-on-write
 (:func:`map_shipment`), so the dataset it unpickles is the memfd's pages, which live
 as long as the base maps them and no longer.
@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dpex._framed import LEND_IN_BAND_BYTES
+from dpex._loader_pickle import LEND_IN_BAND_BYTES
 
 __all__ = ["KEEP_IN_BAND_BYTES", "ShipmentRef", "ShipmentFile", "ShipmentUnavailable",
            "Delivery", "map_shipment"]
@@ -61,7 +61,7 @@ _NONCE_BYTES = 16
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _DATA_AT = 64  # the shipment's offset in the memfd (its buffers stay 64-byte aligned)
 # The most in-band pickle a delivery keeps its memfd open for (see the docstring): a
-# reader lends its buffers up to the same size (dpex._framed), so those pages are its.
+# reader lends its buffers up to the same size (dpex._loader_pickle), so those pages are its.
 KEEP_IN_BAND_BYTES = LEND_IN_BAND_BYTES
 
 
@@ -87,7 +87,7 @@ class ShipmentFile:
     dropped)."""
 
     def __init__(self, data: Any, node_id: str) -> None:
-        """``data``: a :class:`~dpex._framed.PickleParts` (its parts written in turn) or
+        """``data``: a :class:`~dpex._loader_pickle.PickleParts` (its parts written in turn) or
         bytes."""
         fd = os.memfd_create(f"dpex-shipment-{os.getpid()}",
                              os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)

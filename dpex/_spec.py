@@ -187,7 +187,7 @@ class WorkerSpec:
     """Where and who a worker is for one session (small; travels as a Ray argument).
     Built by the trainer's :class:`~dpex.client._driver.EpochDriver` (a replacement's
     and an added worker's from the ones before), adjusted by :mod:`dpex.client._workers`
-    as it starts each worker (``pooled``, ``shipment``, ``local``); read by the worker
+    as it starts each worker (``own_process``, ``shipment``, ``local``); read by the worker
     (:mod:`dpex.server`: its actor, its session, its task runner)."""
 
     # Session id, session key and size limit; its ``incarnation`` is left 0 here, and
@@ -210,7 +210,7 @@ class WorkerSpec:
     # Served in a process of its own (dpex.server._session_process), forked from the
     # fork base holding its loader, else from the host's forkserver: a fleet's sessions,
     # and every session on a host (a worker that reserves no resources).
-    pooled: bool = False
+    own_process: bool = False
     # Resuming (DpexDataLoader.load_state_dict): the states this worker had right after
     # its last batch that the saved run's loop took (else those it started from): the
     # RNG states, with a stateful IterableDataset's own (``dataset``, ``dataset_iter``),

@@ -5,7 +5,7 @@ A data message's body is ``descriptor + structure``: the transport's own note of
 the batch's buffers are (empty for the socket), then the batch's pickled structure
 (:mod:`dpex._codec`); its buffer frames are what the transport sends inline::
 
-    worker:   encode_batch -> transport.place(buffers) -> (descriptor, inline) -> Wire.frames
+    worker:   encode_batch -> transport.place(buffers) -> (descriptor, inline) -> Wire.seal
     trainer:  Wire.open -> transport.take(worker_id, body, inline) -> (structure, buffers)
               -> decode_batch;  transport.release(worker_id, body) for a message not read
 
@@ -207,7 +207,7 @@ def encode_data(wire: Wire, epoch: int, seq: int, worker_id: int, batch: Any,
     descriptor, inline = transport.place(buffers)
     if descriptor:
         body = descriptor + bytes(body)
-    return wire.frames(transport.kind, epoch, seq, worker_id, body, inline, ready_ns, took_us)
+    return wire.seal(transport.kind, epoch, seq, worker_id, body, inline, ready_ns, took_us)
 
 
 class Receiver:

@@ -29,7 +29,7 @@ import cloudpickle  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_worker_cost import KINDS, build  # noqa: E402
 
-from dpex._framed import loads  # noqa: E402
+from dpex._loader_pickle import loads  # noqa: E402
 from dpex._shipfile import ShipmentFile, map_shipment  # noqa: E402
 from dpex._spec import ShippedLoader  # noqa: E402
 from dpex.client._shipping import ship_loader  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from test_framed import shipped
+from test_loader_pickle import shipped
 
 from dpex._spec import Parcel
 from dpex.server._base_starter import BaseStarter
@@ -69,7 +69,7 @@ def test_two_fleet_workers_of_a_node_fork_from_one_base_which_waits_for_its_user
 OWNER = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from test_framed import shipped
+from test_loader_pickle import shipped
 from dpex._spec import Parcel
 from dpex.server._base_starter import BaseStarter
 from dpex.server._node_bases import NodeBases

@@ -5,7 +5,7 @@ import os
 import pickle
 
 import pytest
-from test_framed import pickle_part, shipped, unpickled
+from test_loader_pickle import pickle_part, shipped, unpickled
 
 from dpex import PackedStrings
 

@@ -45,7 +45,7 @@ def test_a_fleet_session_process_ends_with_the_fleet_worker_that_owns_it(live_se
     sess, _, handoff = live_session
     spec = WorkerSpec(wire=sess.wire, worker_id=0, num_workers=1, base_seed=0,
                       data_address=sess.data_address, control_address=sess.control_address,
-                      keys=sess.keys.client, pooled=True)
+                      keys=sess.keys.client, own_process=True)
     shipped = cloudpickle.dumps(ShippedLoader(list(range(4)), _DatasetKind.Map, True,
                                               None, False, None))
     worker = subprocess.Popen([sys.executable, "-c", FLEET_WORKER, os.path.dirname(__file__)],
@@ -125,7 +125,7 @@ def test_a_warm_worker_starts_its_forkserver_only_once_kept_idle(monkeypatch):
 
 
 def test_a_fleet_worker_starts_its_forkserver_at_once(monkeypatch):
-    _, started = worker_without_ray(monkeypatch, pooled=True)
+    _, started = worker_without_ray(monkeypatch, fleet=True)
     assert started.wait(5)
 
 

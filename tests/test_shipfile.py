@@ -7,7 +7,7 @@ import pytest
 from dsets import open_memfds
 
 from dpex import _shipfile as shipfile
-from dpex._framed import PickleParts
+from dpex._loader_pickle import PickleParts
 from dpex._shipfile import Delivery, ShipmentFile, ShipmentUnavailable, map_shipment
 
 NODE = "a" * 56

@@ -26,7 +26,7 @@ import pytest
 from dsets import open_memfds
 
 from dpex import _shipfile
-from dpex._framed import PickleParts
+from dpex._loader_pickle import PickleParts
 from dpex._shipfile import ShipmentUnavailable, map_shipment
 from dpex._spec import Parcel, WorkerSpec
 from dpex.client import _shipment
@@ -85,7 +85,7 @@ class Start:
     def __init__(self, it, worker, node, starting):
         self.it, self.worker, self.node = it, worker, node
         spec = WorkerSpec(wire=None, worker_id=worker, num_workers=1, base_seed=0,
-                          data_address="", control_address="", keys=None, pooled=True,
+                          data_address="", control_address="", keys=None, own_process=True,
                           shipment=it.digest, replaces=it.replaced)
         self.spec, self.shipped = deliver(spec, it.shipment, node, True, starting)
 

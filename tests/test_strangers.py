@@ -218,9 +218,9 @@ def bare_worker(session_timeout: float) -> DpexWorker:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("pooled", [False, True], ids=["own", "fleet-session-process"])
+@pytest.mark.parametrize("own_process", [False, True], ids=["own", "fleet-session-process"])
 async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_what_to_set(
-        pooled):
+        own_process):
     import socket
 
     import cloudpickle
@@ -235,7 +235,7 @@ async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_wh
     spec = WorkerSpec(wire=Wire.new(), worker_id=1, num_workers=2, base_seed=0,
                       data_address=f"tcp://127.0.0.1:{port}",
                       control_address=f"tcp://127.0.0.1:{port}",
-                      keys=SessionKeys.new().client, pooled=pooled)
+                      keys=SessionKeys.new().client, own_process=own_process)
     with pytest.raises(WorkerStartupError) as err:
         shipped = cloudpickle.dumps(ShippedLoader(list(range(4)), _DatasetKind.Map, True,
                                                   None, False, None))

@@ -15,9 +15,9 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
-from test_framed import shipped
+from test_loader_pickle import shipped
 
-from dpex import PackedStrings, _framed
+from dpex import PackedStrings, _loader_pickle
 from dpex.server._trainer_state import enter_trainer_state, leave_trainer_state
 from dpex.server._unpickling import UnpicklingWatch
 
@@ -27,7 +27,7 @@ def watched(data):
     watch = UnpicklingWatch()
     try:
         with watch:
-            loaded = _framed.loads(enter_trainer_state(bytearray(bytes(data))),
+            loaded = _loader_pickle.loads(enter_trainer_state(bytearray(bytes(data))),
                                    unpickler=watch.unpickler)
     finally:
         leave_trainer_state()
@@ -145,7 +145,7 @@ def test_a_setstate_of_a_class_shipped_by_value_is_the_datasets_own_code():
     data = cloudpickle.dumps(obj)
     watch = UnpicklingWatch()
     with watch:
-        _framed.loads(data, unpickler=watch.unpickler)
+        _loader_pickle.loads(data, unpickler=watch.unpickler)
     assert watch.foreign is not None and "Script.__setstate__" in watch.foreign
 
 
@@ -159,7 +159,7 @@ def test_cloudpickles_classes_by_value_are_rebuilt_not_run():
     data = cloudpickle.dumps(cls())
     watch = UnpicklingWatch()
     with watch:
-        loaded = _framed.loads(data, unpickler=watch.unpickler)
+        loaded = _loader_pickle.loads(data, unpickler=watch.unpickler)
     assert loaded.n == 5 and watch.foreign is None
 
 
@@ -176,7 +176,7 @@ def test_a_modules_import_time_code_is_not_counted(tmp_path, monkeypatch):
     del sys.modules["user_mod_for_watch"]
     watch = UnpicklingWatch()
     with watch:
-        loaded = _framed.loads(data, unpickler=watch.unpickler)
+        loaded = _loader_pickle.loads(data, unpickler=watch.unpickler)
     assert type(loaded).__name__ == "Data" and "user_mod_for_watch" in sys.modules
     assert watch.foreign is None
 
@@ -184,7 +184,7 @@ def test_a_modules_import_time_code_is_not_counted(tmp_path, monkeypatch):
 def test_the_watch_leaves_no_profiler_behind():
     watch = UnpicklingWatch()
     with watch:
-        _framed.loads(pickle.dumps(ReducesToOwnFunction(1)), unpickler=watch.unpickler)
+        _loader_pickle.loads(pickle.dumps(ReducesToOwnFunction(1)), unpickler=watch.unpickler)
     assert sys.getprofile() is None
 
 
@@ -194,8 +194,8 @@ def test_the_watch_leaves_no_profiler_behind():
 def test_an_unpickler_reads_a_framed_pickle_as_pickle_loads_does(dataset):
     data = bytes(shipped(dataset))
     try:
-        plain = _framed.loads(enter_trainer_state(data)).dataset
-        mine = _framed.loads(enter_trainer_state(data), unpickler=pickle.Unpickler).dataset
+        plain = _loader_pickle.loads(enter_trainer_state(data)).dataset
+        mine = _loader_pickle.loads(enter_trainer_state(data), unpickler=pickle.Unpickler).dataset
     finally:
         leave_trainer_state()
     if isinstance(dataset, list):
@@ -205,7 +205,7 @@ def test_an_unpickler_reads_a_framed_pickle_as_pickle_loads_does(dataset):
 
 
 def test_a_view_reader_reads_lines_and_into_buffers():
-    reader = _framed.ViewReader(memoryview(b"ab\ncd\nefgh"))
+    reader = _loader_pickle.ViewReader(memoryview(b"ab\ncd\nefgh"))
     assert reader.readline() == b"ab\n" and reader.read(2) == b"cd"
     target = bytearray(3)
     assert reader.readinto(target) == 3 and bytes(target) == b"\nef"
@@ -215,11 +215,11 @@ def test_a_view_reader_reads_lines_and_into_buffers():
 def test_lend_true_lends_a_large_pickles_buffers(monkeypatch):
     """A base whose workers unpickle their own loader lends them its copy at any size:
     it keeps that copy for its life anyway."""
-    monkeypatch.setattr(_framed, "LEND_IN_BAND_BYTES", 16)
+    monkeypatch.setattr(_loader_pickle, "LEND_IN_BAND_BYTES", 16)
     data = bytearray(bytes(shipped([torch.zeros(50_000), "x" * 100])))
     try:
-        copied = _framed.loads(enter_trainer_state(data)).dataset[0]
-        lent = _framed.loads(enter_trainer_state(data), lend=True).dataset[0]
+        copied = _loader_pickle.loads(enter_trainer_state(data)).dataset[0]
+        lent = _loader_pickle.loads(enter_trainer_state(data), lend=True).dataset[0]
     finally:
         leave_trainer_state()
     address = np.frombuffer(data, dtype=np.uint8).ctypes.data

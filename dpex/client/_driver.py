@@ -134,7 +134,7 @@ class EpochDriver:
                     keys=self.session.keys.client,
                     niceness=os.getpriority(os.PRIO_PROCESS, 0),
                     shared_seed=seeds.shared, ring=self.new_ring(rec.id),
-                    pooled=config.worker_pool is not None,
+                    own_process=config.worker_pool is not None,
                     rng_state=plan.rng_state(rec.id), rng_keep=plan.rng_keep,
                     batch_seeds=plan.batch_seeds, sample_seed=plan.sample_seed)
             self.deadlines = Deadlines(

@@ -39,7 +39,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from dpex._addresses import AcceptSet, accept_set, port_range, raise_fd_limit, tcp_endpoint
-from dpex._frames import recv_frames, send_frames
+from dpex._multipart import recv_frames, send_frames
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire
 from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing

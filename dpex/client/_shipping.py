@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import pickle
 import re
 import sys
 import threading
@@ -19,8 +18,9 @@ from typing import Any
 import cloudpickle
 import ray
 
-from dpex import _framed
-from dpex._framed import OUT_OF_BAND_BYTES, PickleParts
+from dpex import _loader_pickle
+from dpex._loader_pickle import PickleParts
+from dpex._pickling import SHIPMENT, OutOfBandPickler
 from dpex._process_state import SHIP_ENV, TrainerState, capture, looks_secret, wrap
 from dpex._ray_connect import load_ray_handle, ray_handle_reducer
 from dpex._spec import ShippedLoader
@@ -48,52 +48,22 @@ def _object_ref_in_band(ref: Any) -> tuple:
     return load_ray_handle, (data,)
 
 
-class _ShipPickler(cloudpickle.Pickler):
-    """cloudpickle, except Ray's object refs (pickled in band, collected in ``refs``),
-    actor handles (which Ray pickles), and large buffers: NumPy's arrays and torch's
-    CPU storages of :data:`~dpex._framed.OUT_OF_BAND_BYTES` or more go to ``buffers``
-    (out of band: :mod:`dpex._framed`), each storage once."""
+class _ShipPickler(OutOfBandPickler):
+    """:mod:`dpex._pickling`'s pickler with the shipped loader's policy
+    (:data:`~dpex._pickling.SHIPMENT`: large storages and arrays out of band, into
+    ``buffers``), and Ray's object refs (pickled in band, collected in ``refs``) and
+    actor handles (which Ray pickles)."""
 
     def __init__(self, file: io.BytesIO, refs: list, buffers: list) -> None:
-        super().__init__(file, protocol=5, buffer_callback=self._out_of_band)
+        super().__init__(file, buffers, SHIPMENT)
         self.refs = refs
-        self.buffers = buffers
-        self._storages: dict[tuple[int, int], Any] = {}  # (data_ptr, nbytes) -> first
-
-    def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
-        """False (out of band, into ``buffers``) for a large one; True keeps it in."""
-        if buffer.raw().nbytes < OUT_OF_BAND_BYTES:
-            return True
-        self.buffers.append(buffer)
-        return False
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, ray.ObjectRef):
             self.refs.append(obj)
             return _object_ref_in_band(obj)
         reduced = ray_handle_reducer(obj)
-        if reduced is None:
-            reduced = self._storage(obj)
         return reduced if reduced is not None else super().reducer_override(obj)
-
-    def _storage(self, obj: Any) -> tuple | None:
-        """A large CPU storage as a pickle buffer (torch's own reduction copies it
-        through ``torch.save``); None for anything else."""
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return None
-        if isinstance(obj, torch.storage.TypedStorage):  # (its own calls warn)
-            untyped = obj._untyped_storage
-            if untyped.device.type != "cpu" or untyped.nbytes() < OUT_OF_BAND_BYTES:
-                return None
-            return _framed.typed_storage, (untyped, obj.dtype)
-        if not isinstance(obj, torch.UntypedStorage) or obj.device.type != "cpu" \
-                or obj.nbytes() < OUT_OF_BAND_BYTES:
-            return None
-        first = self._storages.setdefault((obj.data_ptr(), obj.nbytes()), obj)
-        if first is not obj:  # another Python object of a storage sent already
-            return _framed.the, (first,)
-        return _framed.untyped_storage, (_framed.storage_buffer(obj),)
 
 
 def _dumps(obj: Any, refs: list | None = None, buffers: list | None = None) -> bytes:
@@ -195,7 +165,7 @@ def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
     """Cloudpickle ``contents``, with this process's state (``state``, else captured now:
     at ``iter()``, for a fleet's workers if ``fleet``) in front for the workers to apply
     before they unpickle it, its large buffers out of band, and the object refs it holds
-    beside, for Ray to count (a :class:`~dpex._framed.PickleParts`); raise :class:`DatasetNotPicklableError` naming the culprit
+    beside, for Ray to count (a :class:`~dpex._loader_pickle.PickleParts`); raise :class:`DatasetNotPicklableError` naming the culprit
     and how to make it travel. The variable names that travel are logged once."""
     refs: list = []
     buffers: list = []
@@ -218,5 +188,5 @@ def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
         raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc
     state = capture(fleet=fleet) if state is None else state
     _say_environment(state)
-    return PickleParts(_framed.frame(wrap(state, b""), loader_bytes, buffers), refs=refs,
+    return PickleParts(_loader_pickle.frame(wrap(state, b""), loader_bytes, buffers), refs=refs,
                        out_of_band=sum(buffer.raw().nbytes for buffer in buffers))

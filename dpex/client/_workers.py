@@ -175,7 +175,7 @@ class WorkerGroup:
         thread carries it out)."""
         if self.hosted:
             host = self._host(node, wait)
-            self._serve(host, dataclasses.replace(spec, pooled=True), shipment, node, host)
+            self._serve(host, dataclasses.replace(spec, own_process=True), shipment, node, host)
             return
         actor = self._actor_class.options(**self.options).remote()
         self._serve(actor, spec, shipment, node)

@@ -75,10 +75,10 @@ class DpexWorker:
     one ``serve`` call each; ``session_timeout`` is how long a session may hear
     nothing from its trainer (which pings every second) before it is freed."""
 
-    def __init__(self, session_timeout: float = 30.0, pooled: bool = False,
+    def __init__(self, session_timeout: float = 30.0, fleet: bool = False,
                  warm: bool = False, fleet_setting: dict | None = None,
                  host: bool = False) -> None:
-        """``pooled``: a fleet worker (every session in a process of its own); ``warm``:
+        """``fleet``: a fleet worker (every session in a process of its own); ``warm``:
         a trainer's worker that may serve its later iterators (each in a process of its
         own). A fleet worker starts the forkserver those processes fork from now, in
         the background, so that no session waits for it; a warm worker's first
@@ -98,10 +98,10 @@ class DpexWorker:
         self.placement = _placement()
         # Ray calls in its sessions' processes join its cluster; a trainer's worker's
         # also its job's namespace and runtime_env (a fleet's serve other jobs).
-        self._ray_view = _ray_view(own_job=not pooled)
+        self._ray_view = _ray_view(own_job=not fleet)
         self._sessions: set[Session] = set()
         self._computes: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-        self._children: set[SessionProcess] = set()  # pooled sessions' processes
+        self._children: set[SessionProcess] = set()  # sessions' own processes
         self._lock = threading.Lock()
         self._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
                           "control_rejected": 0}
@@ -111,11 +111,11 @@ class DpexWorker:
         # (A fleet's workers serve other trainers: none forks from libraries that
         # another trainer's dataset imported.)
         # A fleet's workers of one node share one base per dataset (_node_bases).
-        self._node = _fleet_node_bases() if pooled else None
-        self._starter = BaseStarter(self._ray_view, share_libraries=not pooled,
+        self._node = _fleet_node_bases() if fleet else None
+        self._starter = BaseStarter(self._ray_view, share_libraries=not fleet,
                                     node=self._node)
         self._bases = BaseCache(self._starter.start)  # fork bases by shipment digest
-        if pooled or host:
+        if fleet or host:
             self._start_forkserver()
 
     def _start_forkserver(self) -> None:
@@ -192,7 +192,7 @@ class DpexWorker:
     async def serve(self, spec: WorkerSpec, stored: Parcel | None) -> None:
         """Serve one session until STOP, cancellation or silence. Raises if set-up fails
         (the worker's traffic is counted in ``fleet_stats``). A fleet's session
-        (``spec.pooled``) runs in a process of its own, see
+        (``spec.own_process``) runs in a process of its own, see
         :mod:`dpex.server._session_process`. ``stored``: the object store's copy of the
         pickled loader, or None where the trainer's memfd serves (``spec.local``)."""
         if self.draining:
@@ -200,7 +200,7 @@ class DpexWorker:
         with self._lock:
             self._counters["sessions_served"] += 1
         shipped = Parcel.delivered(stored, spec.local, self.placement["node_id"])
-        if spec.pooled:
+        if spec.own_process:
             await self._serve_in_child(spec, shipped)
         else:
             await self._server.serve(spec, shipped)

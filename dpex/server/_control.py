@@ -19,7 +19,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from dpex._addresses import ACCEPT_FROM_ENV, ADVERTISE_ENV, PORT_RANGE_ENV
-from dpex._frames import recv_frames, send_frames
+from dpex._multipart import recv_frames, send_frames
 from dpex._spec import WorkerSpec
 from dpex.errors import WorkerStartupError
 

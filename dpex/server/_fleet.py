@@ -100,7 +100,7 @@ def _start_workers(fleet: str, indices: list[int], options: dict, session_timeou
                         name=fleet_name(fleet, index), namespace=NAMESPACE,
                         lifetime="detached", max_restarts=-1, max_task_retries=0,
                         scheduling_strategy=strategy, **options,
-                    ).remote(session_timeout=session_timeout, pooled=True,
+                    ).remote(session_timeout=session_timeout, fleet=True,
                              fleet_setting=setting))
                     break
                 except ValueError:  # ActorAlreadyExistsError: another scaler took it

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from dpex._epoch_marks import AppliedMarks
-from dpex._frames import send_frames
+from dpex._multipart import send_frames
 from dpex._protocol import (
     IDLE,
     LOADING,

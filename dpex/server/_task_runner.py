@@ -18,7 +18,7 @@ from torch.utils.data import IterDataPipe, _DatasetKind
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
-from dpex import _framed
+from dpex import _loader_pickle
 from dpex._protocol import Kind, ProtocolError
 from dpex._shm import WorkerRing, collating_into
 from dpex._spec import (
@@ -66,7 +66,7 @@ def load_shipped(shipped: Parcel, *, lend: bool | None = None,
     unpickled; the trainer's memfd mapped here, :class:`ShipmentUnavailable` if it is
     gone, and the trainer starts the worker again), or the one the fork base this
     process was forked from unpickled (``shipped.preloaded``). ``lend`` and
-    ``unpickler``: as :func:`dpex._framed.loads` takes them."""
+    ``unpickler``: as :func:`dpex._loader_pickle.loads` takes them."""
     if shipped.preloaded:
         return preloaded()
     data = shipped.take()
@@ -80,7 +80,7 @@ def load_pickled(data: Any, *, lend: bool | None = None, unpickler: Any = None) 
     base holds), the trainer's directory and environment applied first."""
     data = enter_trainer_state(data)
     try:
-        return _framed.loads(data, lend=lend, unpickler=unpickler)
+        return _loader_pickle.loads(data, lend=lend, unpickler=unpickler)
     except ModuleNotFoundError as exc:
         raise WorkerStartupError(
             f"cannot unpickle the dataset: this worker cannot import module {exc.name!r}, "

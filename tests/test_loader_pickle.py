@@ -1,4 +1,4 @@
-"""The shipped loader's large buffers out of band (dpex._framed; no Ray): what travels
+"""The shipped loader's large buffers out of band (dpex._loader_pickle; no Ray): what travels
 in the pickle, where the buffers lie, what is rebuilt from a mapping and from
 read-only bytes, and the digest."""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 from dsets import open_memfds
 
-from dpex import _framed
-from dpex._framed import ALIGN, OUT_OF_BAND_BYTES, PickleParts
+from dpex import _loader_pickle
+from dpex._loader_pickle import ALIGN, PickleParts
+from dpex._pickling import OUT_OF_BAND_BYTES
 from dpex._shipfile import ShipmentFile, map_shipment
 from dpex._spec import ShippedLoader
 from dpex.client._shipping import ship_loader
@@ -28,7 +29,7 @@ def shipped(dataset) -> PickleParts:
 
 def unpickled(data):
     try:
-        return _framed.loads(enter_trainer_state(data)).dataset
+        return _loader_pickle.loads(enter_trainer_state(data)).dataset
     finally:
         leave_trainer_state()
 
@@ -36,8 +37,8 @@ def unpickled(data):
 def pickle_part(shipment: PickleParts) -> int:
     """The bytes of the shipment that are not its out-of-band buffers."""
     view = memoryview(bytes(shipment))
-    at = view.tobytes().index(_framed.MAGIC)
-    header = _framed.json.loads(view[at + 12:at + 12 + _framed._LENGTH.unpack_from(
+    at = view.tobytes().index(_loader_pickle.MAGIC)
+    header = _loader_pickle.json.loads(view[at + 12:at + 12 + _loader_pickle._LENGTH.unpack_from(
         view, at + 8)[0]].tobytes())
     return header["pickle"][1]
 
@@ -60,12 +61,12 @@ def test_tensors_and_arrays_travel_beside_the_pickle_not_in_it():
 
 
 def test_every_buffer_starts_aligned_in_the_shipment_whatever_comes_before():
-    parts = _framed.frame(b"x" * 13, b"p" * 7, [pickle.PickleBuffer(bytearray(n))
+    parts = _loader_pickle.frame(b"x" * 13, b"p" * 7, [pickle.PickleBuffer(bytearray(n))
                                                   for n in (100, 70_001, 3)])
     whole = b"".join(bytes(part) for part in parts)
-    at = whole.index(_framed.MAGIC)
-    n = _framed._LENGTH.unpack_from(whole, at + 8)[0]
-    header = _framed.json.loads(whole[at + 12:at + 12 + n])
+    at = whole.index(_loader_pickle.MAGIC)
+    n = _loader_pickle._LENGTH.unpack_from(whole, at + 8)[0]
+    header = _loader_pickle.json.loads(whole[at + 12:at + 12 + n])
     offsets = [at + offset for offset, _ in header["buffers"]]
     assert [o % ALIGN for o in offsets] == [0, 0, 0]
     assert [size for _, size in header["buffers"]] == [100, 70_001, 3]
@@ -96,7 +97,7 @@ def test_a_writable_source_lends_its_pages_and_a_read_only_one_is_copied():
 def test_a_large_pickle_does_not_lend_its_buffers(monkeypatch):
     """A view keeps its whole source alive (the memfd, pickle included): past
     LEND_IN_BAND_BYTES of pickle the buffers are copied, so the source can go."""
-    monkeypatch.setattr(_framed, "LEND_IN_BAND_BYTES", 100)  # (this pickle is larger)
+    monkeypatch.setattr(_loader_pickle, "LEND_IN_BAND_BYTES", 100)  # (this pickle is larger)
     whole = bytearray(bytes(shipped(big())))
     before = bytes(whole)
     out = unpickled(whole)
@@ -122,7 +123,7 @@ def test_views_of_one_storage_travel_once_and_come_back_sharing_it():
 
 def test_small_buffers_stay_in_the_pickle_and_no_frame_is_made():
     shipment = shipped({"t": torch.ones(10), "a": np.zeros(OUT_OF_BAND_BYTES // 8 - 1)})
-    assert _framed.MAGIC not in bytes(shipment)
+    assert _loader_pickle.MAGIC not in bytes(shipment)
     assert torch.equal(unpickled(bytes(shipment))["t"], torch.ones(10))
 
 

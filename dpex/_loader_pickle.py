@@ -3,8 +3,9 @@
 Pickling a 256 MiB tensor copied it twice on the trainer (torch pickles a storage
 through ``torch.save`` into a ``BytesIO``) and unpickling copied it again in the fork
 base: 1.5 s of the first batch, for bytes that need no transformation. Here the
-tensors' storages and NumPy's arrays of at least :data:`OUT_OF_BAND_BYTES` travel as
-pickle-5 buffers beside the pickle, in one frame (:class:`PickleParts`):
+tensors' storages and NumPy's arrays of at least
+:data:`~dpex._pickling.OUT_OF_BAND_BYTES` travel as pickle-5 buffers beside the
+pickle (pickled by :mod:`dpex._pickling`), in one frame (:class:`PickleParts`):
 
     [what came before (the trainer's state)] MAGIC, header length, header (JSON:
     the pickle's and each buffer's offset and length in the frame), the pickle,
@@ -38,13 +39,12 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["ALIGN", "LEND_IN_BAND_BYTES", "MAGIC", "OUT_OF_BAND_BYTES", "PickleParts", "ViewReader",
+__all__ = ["ALIGN", "LEND_IN_BAND_BYTES", "MAGIC", "PickleParts", "ViewReader",
            "frame", "loads"]
 
 MAGIC = b"DPEXOOB1"
 _LENGTH = struct.Struct("<I")
 ALIGN = 64  # each buffer's offset in the shipment (and in the memfd's data)
-OUT_OF_BAND_BYTES = 64 * 1024  # smaller buffers stay in the pickle
 # The largest in-band pickle whose source lends its buffers: a view keeps its whole
 # source alive (the memfd, pickle included), so past this the buffers are copied and
 # the source can go once unpickled (a list of millions of strings beside an array).
@@ -183,33 +183,3 @@ def _writable_copy(view: memoryview) -> Any:
     copy = np.empty(view.nbytes, dtype=np.uint8)  # (aligned, unlike a bytearray)
     copy[:] = np.frombuffer(view, dtype=np.uint8)
     return copy
-
-
-# --- torch's storages out of band ------------------------------------------------
-
-
-def storage_buffer(storage: Any) -> pickle.PickleBuffer:
-    """A CPU ``torch.UntypedStorage``'s bytes as a pickle buffer (no copy)."""
-    import torch
-
-    return pickle.PickleBuffer(
-        torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
-
-
-def untyped_storage(buffer: Any) -> Any:
-    """An ``UntypedStorage`` over ``buffer`` (a view of the shipment, or a copy)."""
-    import torch
-
-    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
-
-
-def typed_storage(untyped: Any, dtype: Any) -> Any:
-    import torch
-
-    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-
-
-def the(obj: Any) -> Any:
-    """``obj`` itself: what a second Python object of an already pickled storage
-    becomes (the memo holds the first)."""
-    return obj

@@ -1,10 +1,10 @@
-"""dpex._frames: multipart messages without pyzmq's Python layer, as pyzmq's own do."""
+"""dpex._multipart: multipart messages without pyzmq's Python layer, as pyzmq's own do."""
 
 import numpy as np
 import pytest
 import zmq
 
-from dpex._frames import recv_frames, send_frames
+from dpex._multipart import recv_frames, send_frames
 
 
 @pytest.fixture
