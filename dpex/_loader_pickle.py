@@ -39,8 +39,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["ALIGN", "LEND_IN_BAND_BYTES", "MAGIC", "PickleParts", "ViewReader",
-           "frame", "loads"]
+__all__ = ["ALIGN", "LEND_IN_BAND_BYTES", "MAGIC", "PickleParts", "ViewReader", "loads"]
 
 MAGIC = b"DPEXOOB1"
 _LENGTH = struct.Struct("<I")
@@ -64,6 +63,16 @@ class PickleParts:
         self.refs = tuple(refs)
         self.out_of_band = out_of_band
 
+    @classmethod
+    def framed(cls, prefix: bytes, data: bytes, buffers: list[Any],
+               refs: Iterable[Any] = ()) -> PickleParts:
+        """The parts of a shipment: ``prefix``, then the frame of the pickle ``data`` and
+        its out-of-band ``buffers`` (each a :class:`pickle.PickleBuffer`), padded so that
+        every buffer starts at a multiple of :data:`ALIGN` from the shipment's start.
+        With no buffers, ``prefix + data`` as it always was (no frame)."""
+        return cls(_frame(prefix, data, buffers), refs=refs,
+                   out_of_band=sum(buffer.raw().nbytes for buffer in buffers))
+
     @property
     def in_band(self) -> int:
         """The bytes that unpickling turns into objects (the rest it maps as they are)."""
@@ -83,11 +92,8 @@ class PickleParts:
         return b"".join(self.parts)
 
 
-def frame(prefix: bytes, data: bytes, buffers: list[Any]) -> list[Any]:
-    """The parts of a shipment: ``prefix``, then the frame of the pickle ``data`` and
-    its out-of-band ``buffers`` (each a :class:`pickle.PickleBuffer`), padded so that
-    every buffer starts at a multiple of :data:`ALIGN` from the shipment's start. With
-    no buffers, ``prefix + data`` as it always was (no frame)."""
+def _frame(prefix: bytes, data: bytes, buffers: list[Any]) -> list[Any]:
+    """:meth:`PickleParts.framed`'s parts."""
     if not buffers:
         return [prefix, data]
     views = [buffer.raw() for buffer in buffers]

@@ -29,11 +29,11 @@ import cloudpickle  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_worker_cost import KINDS, build  # noqa: E402
 
-from dpex._loader_pickle import loads  # noqa: E402
 from dpex._shipfile import ShipmentFile, map_shipment  # noqa: E402
 from dpex._spec import ShippedLoader  # noqa: E402
 from dpex.client._shipping import ship_loader  # noqa: E402
-from dpex.server._trainer_state import enter_trainer_state, leave_trainer_state  # noqa: E402
+from dpex.server._task_runner import load_pickled  # noqa: E402
+from dpex.server._trainer_state import leave_trainer_state  # noqa: E402
 
 NODE = "b" * 56
 
@@ -61,7 +61,7 @@ def dpex_way(shipped: ShippedLoader, repeats: int) -> dict:
 
     def take_and_load():
         try:
-            return loads(enter_trainer_state(map_shipment(file.ref)))
+            return load_pickled(map_shipment(file.ref))
         finally:
             leave_trainer_state()
 

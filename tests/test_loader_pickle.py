@@ -16,7 +16,8 @@ from dpex._pickling import OUT_OF_BAND_BYTES
 from dpex._shipfile import ShipmentFile, map_shipment
 from dpex._spec import ShippedLoader
 from dpex.client._shipping import ship_loader
-from dpex.server._trainer_state import enter_trainer_state, leave_trainer_state
+from dpex.server._task_runner import load_pickled
+from dpex.server._trainer_state import leave_trainer_state
 
 NODE = "a" * 56
 
@@ -29,7 +30,7 @@ def shipped(dataset) -> PickleParts:
 
 def unpickled(data):
     try:
-        return _loader_pickle.loads(enter_trainer_state(data)).dataset
+        return load_pickled(data).dataset
     finally:
         leave_trainer_state()
 
@@ -61,8 +62,8 @@ def test_tensors_and_arrays_travel_beside_the_pickle_not_in_it():
 
 
 def test_every_buffer_starts_aligned_in_the_shipment_whatever_comes_before():
-    parts = _loader_pickle.frame(b"x" * 13, b"p" * 7, [pickle.PickleBuffer(bytearray(n))
-                                                  for n in (100, 70_001, 3)])
+    parts = PickleParts.framed(b"x" * 13, b"p" * 7, [pickle.PickleBuffer(bytearray(n))
+                                                     for n in (100, 70_001, 3)]).parts
     whole = b"".join(bytes(part) for part in parts)
     at = whole.index(_loader_pickle.MAGIC)
     n = _loader_pickle._LENGTH.unpack_from(whole, at + 8)[0]

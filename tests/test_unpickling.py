@@ -18,7 +18,8 @@ import torch
 from test_loader_pickle import shipped
 
 from dpex import PackedStrings, _loader_pickle
-from dpex.server._trainer_state import enter_trainer_state, leave_trainer_state
+from dpex.server._task_runner import load_pickled
+from dpex.server._trainer_state import leave_trainer_state
 from dpex.server._unpickling import UnpicklingWatch
 
 
@@ -27,8 +28,7 @@ def watched(data):
     watch = UnpicklingWatch()
     try:
         with watch:
-            loaded = _loader_pickle.loads(enter_trainer_state(bytearray(bytes(data))),
-                                   unpickler=watch.unpickler)
+            loaded = load_pickled(bytearray(bytes(data)), unpickler=watch.unpickler)
     finally:
         leave_trainer_state()
     gc.collect()
@@ -194,8 +194,8 @@ def test_the_watch_leaves_no_profiler_behind():
 def test_an_unpickler_reads_a_framed_pickle_as_pickle_loads_does(dataset):
     data = bytes(shipped(dataset))
     try:
-        plain = _loader_pickle.loads(enter_trainer_state(data)).dataset
-        mine = _loader_pickle.loads(enter_trainer_state(data), unpickler=pickle.Unpickler).dataset
+        plain = load_pickled(data).dataset
+        mine = load_pickled(data, unpickler=pickle.Unpickler).dataset
     finally:
         leave_trainer_state()
     if isinstance(dataset, list):
@@ -218,8 +218,8 @@ def test_lend_true_lends_a_large_pickles_buffers(monkeypatch):
     monkeypatch.setattr(_loader_pickle, "LEND_IN_BAND_BYTES", 16)
     data = bytearray(bytes(shipped([torch.zeros(50_000), "x" * 100])))
     try:
-        copied = _loader_pickle.loads(enter_trainer_state(data)).dataset[0]
-        lent = _loader_pickle.loads(enter_trainer_state(data), lend=True).dataset[0]
+        copied = load_pickled(data).dataset[0]
+        lent = load_pickled(data, lend=True).dataset[0]
     finally:
         leave_trainer_state()
     address = np.frombuffer(data, dtype=np.uint8).ctypes.data

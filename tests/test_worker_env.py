@@ -209,13 +209,17 @@ def test_entering_a_sessions_state_undoes_one_left_over(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     first = wrap(TrainerState(cwd=str(tmp_path), set_env={VAR: "first"}), b"loader")
     second = wrap(TrainerState(cwd=str(tmp_path), set_env={}), b"loader")
-    assert bytes(enter_trainer_state(first)) == b"loader" and os.environ[VAR] == "first"
-    enter_trainer_state(second)  # a session that never left (killed): not kept
+    state, rest = unwrap(first)
+    enter_trainer_state(state)
+    assert bytes(rest) == b"loader" and os.environ[VAR] == "first"
+    enter_trainer_state(unwrap(second)[0])  # a session that never left (killed): not kept
     assert VAR not in os.environ
     leave_trainer_state()
     leave_trainer_state()
     assert BEFORE_ENV not in os.environ
-    assert enter_trainer_state(b"plain pickle") == b"plain pickle"
+    assert unwrap(b"plain pickle") == (None, b"plain pickle")
+    enter_trainer_state(None)  # (nothing carried: nothing changes)
+    assert BEFORE_ENV not in os.environ
 
 
 @pytest.mark.usefixtures("ray_session")

@@ -18,7 +18,6 @@ from typing import Any
 import cloudpickle
 import ray
 
-from dpex import _loader_pickle
 from dpex._loader_pickle import PickleParts
 from dpex._pickling import SHIPMENT, OutOfBandPickler
 from dpex._process_state import SHIP_ENV, TrainerState, capture, looks_secret, wrap
@@ -188,5 +187,4 @@ def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
         raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc
     state = capture(fleet=fleet) if state is None else state
     _say_environment(state)
-    return PickleParts(_loader_pickle.frame(wrap(state, b""), loader_bytes, buffers), refs=refs,
-                       out_of_band=sum(buffer.raw().nbytes for buffer in buffers))
+    return PickleParts.framed(wrap(state, b""), loader_bytes, buffers, refs=refs)

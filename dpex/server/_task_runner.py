@@ -19,6 +19,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex import _loader_pickle
+from dpex._process_state import unwrap
 from dpex._protocol import Kind, ProtocolError
 from dpex._shm import WorkerRing, collating_into
 from dpex._spec import (
@@ -77,8 +78,10 @@ def load_shipped(shipped: Parcel, *, lend: bool | None = None,
 
 def load_pickled(data: Any, *, lend: bool | None = None, unpickler: Any = None) -> ShippedLoader:
     """The shipped loader unpickled from its bytes (a bytes-like object: what a fork
-    base holds), the trainer's directory and environment applied first."""
-    data = enter_trainer_state(data)
+    base holds), the trainer's directory and environment carried in front of them
+    applied first."""
+    state, data = unwrap(data)
+    enter_trainer_state(state)
     try:
         return _loader_pickle.loads(data, lend=lend, unpickler=unpickler)
     except ModuleNotFoundError as exc:

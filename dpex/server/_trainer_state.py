@@ -22,9 +22,8 @@ import logging
 import os
 import threading
 from collections.abc import Callable, MutableMapping
-from typing import Any
 
-from dpex._process_state import TrainerState, unwrap
+from dpex._process_state import TrainerState
 
 __all__ = ["AppliedState", "apply_state", "enter_trainer_state", "leave_trainer_state",
            "BEFORE_ENV"]
@@ -108,20 +107,17 @@ _lock = threading.Lock()
 _applied: AppliedState | None = None  # this process's session's, until it ends
 
 
-def enter_trainer_state(data: Any) -> bytes | memoryview:
-    """Apply the trainer's state carried in front of ``data`` (the shipment's bytes) to
-    this process (undoing a previous session's, if one was left) and return the
-    loader's pickle. Bytes that carry no state are returned as they are and change
-    nothing."""
+def enter_trainer_state(state: TrainerState | None) -> None:
+    """Apply the trainer's ``state`` (carried in front of the shipment's bytes:
+    :func:`~dpex._process_state.unwrap`) to this process, undoing a previous
+    session's, if one was left; None (bytes that carried none) changes nothing."""
     global _applied
-    state, loader_bytes = unwrap(data)
     if state is None:
-        return loader_bytes
+        return
     with _lock:
         if _applied is not None:
             _applied.undo()
         _applied = apply_state(state)
-    return loader_bytes
 
 
 def leave_trainer_state() -> None:
