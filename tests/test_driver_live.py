@@ -11,7 +11,17 @@ from __future__ import annotations
 import time
 
 import pytest
-from fake_runtime import driver, indices, rest, rng_state, start, take, wait_for
+from fake_runtime import (
+    driver,
+    indices,
+    rest,
+    rng_state,
+    round_robin,
+    start,
+    start_shards,
+    take,
+    wait_for,
+)
 
 from dpex._protocol import Kind
 from dpex.client import _driver
@@ -213,3 +223,27 @@ def test_a_frame_that_arrives_after_its_batch_was_computed_again_changes_nothing
     assert got == indices(20)
     # (its slot was taken: the copy is another slot's no more)
     assert d.sched.counters["lost"] == 1 and d.sched.counters["stale"] == 1
+
+
+# -- a long training step (issue 48): silence is judged on what was read ----------------
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
+def test_a_training_step_longer_than_the_lost_limit_costs_no_worker(quick_lost_checks,
+                                                                     iterable):
+    """Every result came at once, but the training thread was away (a validation loop,
+    a checkpoint) for longer than lost_batch_timeout: what arrived meanwhile is read
+    before any worker is judged silent, so nothing is presumed lost, redone or killed."""
+    shards = {0: [f"a{i}" for i in range(12)], 1: [f"b{i}" for i in range(12)]}
+    d, runtime, _, _ = driver(2, live=True, lost_batch_timeout=0.2,
+                              shards=shards if iterable else None)
+    draw = start_shards(d) if iterable else start(d, 24)
+    got = []
+    for _ in range(4):
+        got += take(d, draw, 5)
+        time.sleep(0.5)  # the step: 2.5 lost limits away from dpex
+    got += rest(d, draw)
+    assert got == (round_robin(shards) if iterable else indices(24))
+    counters = d.sched.counters
+    assert counters["lost"] == 0 and counters["redispatched"] == 0, dict(counters)
+    assert counters["replaced_hung"] == 0 and counters["replaced_for_lost"] == 0
+    assert [c for c in runtime.workers.calls if c[0] in ("kill", "restart")] == []

@@ -8,12 +8,10 @@ event pump of the training thread (batches read from the session's data socket,
 events from the loop thread and Ray on the handoff, deadlines) and, on a fatal
 event, stops everything in one place before it raises (:meth:`EpochDriver._fail`).
 Batches and tasks never cross to the loop thread: the training thread reads the one
-and sends the other on the session's sockets itself (one hop, see
-:mod:`~dpex.client._session`).
-The iterator (``_iterator.py``) keeps torch's face: the sampler, the epoch, what it
-yields. Elastic workers (``scale_to``, autoscaling) are composed in
-(:class:`~dpex.client._elastic.Elastic`: it also starts added workers and ends retired
-ones), as is ``state_dict()``'s RNG query (:class:`~dpex.client._rng_query.RngQuery`).
+and sends the other on the session's sockets itself (one hop, :mod:`._session`).
+The iterator (``_iterator.py``) keeps torch's face. Elastic workers are composed in
+(:class:`~dpex.client._elastic.Elastic`), as is ``state_dict()``'s RNG query
+(:class:`~dpex.client._rng_query.RngQuery`).
 
 Every method runs on the training thread (the scheduler is that thread's alone),
 except :meth:`Elastic.scale_to` called from another thread, which only leaves a
@@ -93,13 +91,10 @@ class EpochDriver:
     """One iterator's runtime and scheduler (see the module's docstring).
 
     ``runtime`` is started by the driver, which owns it from then on (it closes it when
-    its own start fails); ``ship()`` puts the pickled dataset and functions in the
-    object store once (:func:`ship`: the loader's previous iterator's copy when they
-    are the same) and returns the reference and whether it was reused. The driver
-    makes no Ray call of its own beyond ``ray.available_resources`` for an error
-    message (``free_resources``): tests drive it with an in-memory runtime. ``on_stop`` is called (weakly: a bound method of the
-    iterator, which owns the driver) whenever the driver stops everything itself
-    before it raises, so that the iterator keeps its final counters.
+    its own start fails); ``ship()`` gives the iterator's ``Shipment``. No Ray call of
+    its own but ``free_resources`` for an error message: tests drive it in memory.
+    ``on_stop`` is called (weakly: the iterator's bound method) whenever the driver
+    stops everything itself before it raises: the iterator keeps its final counters.
     """
 
     def __init__(self, runtime: Runtime, handoff: Handoff, config: DpexConfig,
@@ -272,10 +267,24 @@ class EpochDriver:
         if self.runtime.closed:
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
         if self.deadlines.lost_due(time.monotonic()):
+            # What arrived while this thread was away (a long step) is read first: no
+            # worker is judged silent on input not drained.
+            while (arrived := self._arrived()) is not None:
+                self._wait_from = None
+                self._apply_event(arrived)
             self._check_lost()
         event = self._wait_event(until)
-        if event is None:
-            return
+        if event is not None:
+            self._apply_event(event)
+
+    def _arrived(self) -> Any:
+        """The next event here (the handoff's, then the data socket's), or None."""
+        try:
+            return self.handoff.get_nowait()
+        except queue.Empty:
+            return self.session.receive() or None
+
+    def _apply_event(self, event: Any) -> None:
         if isinstance(event, list):  # data messages that arrived together
             self.apply(self.sched.results(event))
         elif isinstance(event, WorkerHello):
@@ -294,9 +303,8 @@ class EpochDriver:
                        event.error)
 
     def _wait_event(self, until: float | None = None) -> Any:
-        """The next event, within torch's ``timeout`` (or ``startup_timeout`` while
-        workers start); with no timeout, wake every few seconds to check the loop lives.
-        None once ``until`` (a monotonic time) has passed without one."""
+        """The next event, within torch's ``timeout`` (``startup_timeout`` while workers
+        start); None once ``until`` (a monotonic time) has passed without one."""
         starting = not self.sched.workers.all_ready()
         if self._wait_from is None:
             self._wait_from = time.monotonic()
@@ -311,13 +319,9 @@ class EpochDriver:
         """The next event: the handoff's first (a HELLO precedes its worker's batches
         there), then the batches that have arrived; else wait for either."""
         while True:
-            try:  # what already arrived counts, however late this thread came to look
-                return self.handoff.get_nowait()
-            except queue.Empty:
-                pass
-            data = self.session.receive()
-            if data:
-                return data
+            arrived = self._arrived()  # what already arrived counts, however late
+            if arrived is not None:  # this thread came to look
+                return arrived
             due, wait = self.deadlines.next(time.monotonic(), deadline, starting, until)
             if due is Due.STARTUP_TIMED_OUT:
                 self._fail(self._startup_failure())
@@ -421,8 +425,7 @@ class EpochDriver:
             return None
 
     def _start_replacement(self, w: int, incarnation: int) -> None:
-        """Start a replacement with the same worker id (same seed, worker_init_fn run
-        again); the scheduler sends it its tasks."""
+        """A replacement, same worker id (its seed; worker_init_fn run again)."""
         self.deadlines.starting(time.monotonic())
         rec = self.sched.workers[w]
         if rec.spec.ring is not None:
