@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import pickle
 import struct
 from collections.abc import Sequence
@@ -176,6 +177,10 @@ class _Layout:
         for (tensor, dtype, ndim, grad), buf in zip(self.leaves, buffers, strict=True):
             shape = tuple(dims[at:at + ndim])
             at += ndim
+            size = math.prod(shape) * dtype.itemsize  # (allocated only for bytes that came)
+            if memoryview(buf).nbytes != size:
+                raise ValueError(f"layout: a leaf of shape {shape} ({dtype}) needs {size} "
+                                 f"bytes, its buffer holds {memoryview(buf).nbytes}")
             built.append(rebuild_tensor(buf, dtype, shape, grad) if tensor
                          else rebuild_ndarray(buf, dtype, shape))
         return _assemble(self.tree, built)

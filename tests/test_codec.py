@@ -194,3 +194,16 @@ def test_a_layout_that_does_not_add_up_is_refused_with_an_error_not_a_wrong_batc
     s, b = tamper(bytes(structure), [bytes(x) for x in buffers])
     with pytest.raises((ValueError, KeyError, RuntimeError), match=error):
         decode_batch(s, b)
+
+
+@pytest.mark.parametrize("came", [0, 1], ids=["no-bytes", "one-byte"])
+@pytest.mark.parametrize("leaf", [torch.zeros(2, 3), np.zeros((2, 3), dtype=np.float32)],
+                         ids=["tensor", "ndarray"])
+def test_a_layout_claiming_more_than_its_buffer_holds_allocates_nothing(came, leaf):
+    """(issue 48) The shape a message claims is checked against the bytes that came
+    before anything is allocated: 2**40 elements is 4 TiB, 0 or 1 byte came."""
+    structure, *_ = encode_batch(leaf)
+    claimed = bytes(structure)[:-16] + (1 << 20).to_bytes(8, "little") \
+        + (1 << 20).to_bytes(8, "little")
+    with pytest.raises(ValueError, match=rf"needs 4398046511104 bytes, its buffer holds {came}"):
+        decode_batch(claimed, [np.zeros(came, dtype=np.uint8)])
