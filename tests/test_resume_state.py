@@ -315,3 +315,49 @@ def test_the_iterator_running_when_a_state_is_loaded_still_serves_stats_and_scal
     assert running.scaled == 3
     loader.close()
     assert running.shut
+
+
+# -- values that make no sense, and nested fields (issue 48) ----------------------------
+
+@pytest.mark.parametrize("key, value, named", [
+    ("yielded", -3, "'yielded' is -3; it is at least 0"),
+    ("num_workers", -1, "'num_workers' is -1"),
+    ("world_size", 0, "'world_size' is 0; it is at least 1"),
+    ("epochs_before", -2, "'epochs_before' is -2"),
+])
+def test_a_count_below_its_least_is_refused_naming_the_key(key, value, named):
+    state = DataLoaderLike().state_dict()
+    with pytest.raises(ResumeStateError, match=named):
+        ResumeState.from_dict({**state, key: value})
+
+
+def worker_rng_plain(**change):
+    plain = ResumeState.from_dict(DataLoaderLike().state_dict())
+    plain.worker_rng = {0: RngRecorder().capture()}
+    out = json_trip(plain.to_dict())
+    out["worker_rng"]["0"].update(change)
+    return out
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"sampler_rng": "not base64!"}, "'sampler_rng' cannot be read"),
+    ({"sampler_rng": [1, 2, 3]}, "'sampler_rng' cannot be read.*3 torch.uint8 values"),
+    ({"iterable": {"workers": {"x": 1}}}, "'iterable' cannot be read"),
+])
+def test_a_malformed_nested_field_is_refused_by_name_not_a_raw_error(change, named):
+    state = DataLoaderLike().state_dict()
+    with pytest.raises(ResumeStateError, match=named):
+        ResumeState.from_dict({**state, **change})
+
+
+@pytest.mark.parametrize("part, value, named", [
+    ("torch", "AAAA", "'worker_rng' cannot be read.*3 torch.uint8 values"),
+    ("random", [3, [1, 2], None], "625"),
+    ("numpy", ["MT19937", "AAAAAAAAAAA=", 0, 0, 0.0], "holds 2 keys, not 624"),
+    ("torch", 7, "'worker_rng' cannot be read"),
+])
+def test_a_workers_rng_state_of_the_wrong_size_is_refused_at_load_not_at_the_next_iter(
+        part, value, named):
+    with pytest.raises(ResumeStateError, match=named):
+        ResumeState.from_dict(worker_rng_plain(**{part: value}))
+    assert ResumeState.from_dict(worker_rng_plain()).worker_rng[0]["torch"] is not None

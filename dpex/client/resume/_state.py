@@ -162,12 +162,54 @@ class ResumeState:
                 raise ResumeStateError(
                     f"this loader state's {name!r} is {type(value).__name__} {value!r:.60}; "
                     f"expected {' or '.join(t.__name__ for t in types)}")
+        _check_counts(values)
         state = cls(**values)
-        for name in _RNG_FIELDS:
-            setattr(state, name, rng_from_plain(getattr(state, name)))
-        if state.worker_rng is not None:
-            state.worker_rng = {w: _worker_rng(rng, 1)
-                                for w, rng in _int_keys(state.worker_rng).items()}
-        if state.iterable is not None and "workers" in state.iterable:
-            state.iterable = {**state.iterable, "workers": _int_keys(state.iterable["workers"])}
+        name = ""
+        try:  # the nested fields: what they hold is named, not a raw TypeError / KeyError
+            for name in _RNG_FIELDS:
+                setattr(state, name, _checked_rng(rng_from_plain(getattr(state, name))))
+            name = "worker_rng"
+            if state.worker_rng is not None:
+                state.worker_rng = {w: _checked_worker_rng(_worker_rng(rng, 1))
+                                    for w, rng in _int_keys(state.worker_rng).items()}
+            name = "iterable"
+            if state.iterable is not None and "workers" in state.iterable:
+                state.iterable = {**state.iterable,
+                                  "workers": _int_keys(state.iterable["workers"])}
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise ResumeStateError(f"this loader state's {name!r} cannot be read: "
+                                   f"{type(exc).__name__}: {exc}") from None
         return state
+
+
+_COUNTS = {"yielded": 0, "num_workers": 0, "rank": 0, "world_size": 1, "length": 0,
+           "worker_rng_num_workers": 0, "epochs_before": 0}  # the least each may be
+_TORCH_RNG_BYTES = torch.Generator().get_state().numel()  # (the CPU generator's)
+
+
+def _check_counts(values: dict) -> None:
+    for name, least in _COUNTS.items():
+        value = values.get(name)
+        if value is not None and value < least:
+            raise ResumeStateError(f"this loader state's {name!r} is {value}; it is at "
+                                   f"least {least}")
+
+
+def _checked_rng(state: torch.Tensor | None) -> torch.Tensor | None:
+    """A torch generator's state, refused now (not at the next ``iter()``) if it is not
+    one of this torch's CPU generator's."""
+    if state is not None and (state.dtype != torch.uint8 or state.numel() != _TORCH_RNG_BYTES):
+        raise ValueError(f"a generator state of {state.numel()} {state.dtype} values; "
+                         f"torch's holds {_TORCH_RNG_BYTES} bytes")
+    return state
+
+
+def _checked_worker_rng(rng: dict | None) -> dict | None:
+    if rng is not None:
+        _checked_rng(rng.get("torch"))
+        if "random" in rng and len(rng["random"][1]) != 625:
+            raise ValueError(f"Python's random state holds {len(rng['random'][1])} words, "
+                             "not 625")
+        if "numpy" in rng and rng["numpy"][1].numel() != 624:
+            raise ValueError(f"NumPy's state holds {rng['numpy'][1].numel()} keys, not 624")
+    return rng
