@@ -41,9 +41,9 @@ OUT_OF_BAND_BYTES = 64 * 1024  # the shipped loader's smaller buffers stay in th
 
 @dataclass(frozen=True)
 class OutOfBand:
-    """What a pickler lifts out of band: each tensor's own bytes (``tensors``) or its
-    storage, each once (``storages``); buffers from ``threshold`` bytes on; a tensor on
-    a device refused (``cpu_only``)."""
+    """What a pickler lifts out of band: each tensor's storage, each once (``storages``),
+    else each tensor's and plain ndarray's own bytes, where a tensor on a device is
+    refused (``cpu_only``); buffers from ``threshold`` bytes on."""
 
     storages: bool
     threshold: int

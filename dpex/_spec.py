@@ -69,7 +69,7 @@ class Parcel:
     - **bytes**: the object store's copy. In a worker actor a read-only view of Ray's
       buffer (a pickle-5 buffer: zero-copy, one copy per node, shared by the node's
       workers); sent to a session's own process it travels as ``bytes``.
-    - **the trainer's memfd** (:meth:`local`), on its node: a
+    - **the trainer's memfd** (:meth:`delivered` with no stored copy), on its node: a
       :class:`~dpex._shipfile.ShipmentRef`, mapped where it is read (:meth:`take`,
       :meth:`map_now`), or handed as it is to a fork base that maps it itself.
     - **preloaded** (:data:`PRELOADED`): a session forked from a fork base that

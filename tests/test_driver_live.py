@@ -247,3 +247,17 @@ def test_a_training_step_longer_than_the_lost_limit_costs_no_worker(quick_lost_c
     assert counters["lost"] == 0 and counters["redispatched"] == 0, dict(counters)
     assert counters["replaced_hung"] == 0 and counters["replaced_for_lost"] == 0
     assert [c for c in runtime.workers.calls if c[0] in ("kill", "restart")] == []
+
+
+def test_a_batch_read_by_the_drain_before_a_lost_check_is_not_kept_waiting():
+    """The drain before a lost check may read the very batch the loop waits for: the
+    training thread then looks for it at once, not after the next event (a worker's
+    next report: up to a second; a 60 ms step loop ran at half speed so)."""
+    d, _, _, _ = driver(1, live=True)
+    draw = start(d, 4)
+    assert take(d, draw, 1) == indices(4)[:1]  # (the next results are queued, unread)
+    d.deadlines.lost_at = 0.0  # a lost check is due
+    t0 = time.monotonic()
+    d.receive_one(until=time.monotonic() + 30)
+    assert time.monotonic() - t0 < 5
+    assert take(d, draw, 3) == indices(4)[1:]

@@ -341,7 +341,8 @@ def worker_rng_plain(**change):
 
 @pytest.mark.parametrize("change, named", [
     ({"sampler_rng": "not base64!"}, "'sampler_rng' cannot be read"),
-    ({"sampler_rng": [1, 2, 3]}, "'sampler_rng' cannot be read.*3 torch.uint8 values"),
+    ({"base_rng": [1, 2, 3]}, "'base_rng' cannot be read.*3 torch.uint8 values"),
+    ({"sampler_rng": []}, "'sampler_rng' cannot be read.*0 torch.uint8 values"),
     ({"iterable": {"workers": {"x": 1}}}, "'iterable' cannot be read"),
 ])
 def test_a_malformed_nested_field_is_refused_by_name_not_a_raw_error(change, named):
@@ -361,3 +362,11 @@ def test_a_workers_rng_state_of_the_wrong_size_is_refused_at_load_not_at_the_nex
     with pytest.raises(ResumeStateError, match=named):
         ResumeState.from_dict(worker_rng_plain(**{part: value}))
     assert ResumeState.from_dict(worker_rng_plain()).worker_rng[0]["torch"] is not None
+
+
+def test_a_samplers_generator_on_a_device_keeps_its_own_state_size():
+    """A sampler may draw from a CUDA generator (16 bytes of state, not the CPU's 5056):
+    only the loader's own and torch's global generators are CPU ones."""
+    state = DataLoaderLike().state_dict()
+    read = ResumeState.from_dict({**state, "sampler_rng": list(range(16))})
+    assert read.sampler_rng.tolist() == list(range(16))

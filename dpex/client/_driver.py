@@ -119,6 +119,7 @@ class EpochDriver:
             first_batch_timeout=config.startup_timeout,  # (its loading counts)
             hung_timeout=config.hung_batch_timeout)
         try:
+            self.shipment = ship()  # (kept: replacements load the same bytes)
             runtime.open()
             for rec in self.sched.workers.records:
                 rec.spec = WorkerSpec(
@@ -131,14 +132,11 @@ class EpochDriver:
                     shared_seed=seeds.shared, ring=self.new_ring(rec.id),
                     own_process=config.worker_pool is not None,
                     rng_state=plan.rng_state(rec.id), rng_keep=plan.rng_keep,
-                    batch_seeds=plan.batch_seeds, sample_seed=plan.sample_seed)
-            self.deadlines = Deadlines(
+                    batch_seeds=plan.batch_seeds, sample_seed=plan.sample_seed,
+                    replaces=self.shipment.replaced, shipment=self.shipment.digest)
+            self.deadlines = Deadlines(  # (from here: pickling is no worker's start-up)
                 time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
                 lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
-            self.shipment = ship()  # (kept: replacements load the same bytes)
-            for rec in self.sched.workers.records:
-                rec.spec = dataclasses.replace(rec.spec, replaces=self.shipment.replaced,
-                                               shipment=self.shipment.digest)
             runtime.start(self.specs, self.shipment)
         except BaseException:
             runtime.close()
@@ -224,8 +222,7 @@ class EpochDriver:
             self._send(messages)
 
     def _send(self, messages: list[Any]) -> None:
-        """Send the scheduler's messages on the session's control socket (from this
-        thread); what fails there stops everything, as a loop failure does."""
+        """Send them on the control socket; a failure stops everything (a loop's would)."""
         try:
             self.session.send_all(messages)
         except DpexError as exc:  # e.g. a task over max_message_bytes: it says what
@@ -244,10 +241,7 @@ class EpochDriver:
         """Stop workers, sockets and thread through the iterator (it keeps its final
         counters), or directly if the iterator is gone."""
         on_stop = self._on_stop()
-        if on_stop is not None:
-            on_stop()
-        else:
-            self.runtime.close()
+        (on_stop if on_stop is not None else self.runtime.close)()
 
     # -- the event pump ---------------------------------------------------------
 
@@ -267,12 +261,17 @@ class EpochDriver:
         if self.runtime.closed:
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
         if self.deadlines.lost_due(time.monotonic()):
-            # What arrived while this thread was away (a long step) is read first: no
-            # worker is judged silent on input not drained.
+            # What arrived while this thread was away (a long step) first: no worker is
+            # judged on input not drained; then no wait (the batch may be among it).
+            drained = False
             while (arrived := self._arrived()) is not None:
-                self._wait_from = None
+                drained = True
+                if not isinstance(arrived, WorkerProgress):  # (as _wait_event counts)
+                    self._wait_from = None
                 self._apply_event(arrived)
             self._check_lost()
+            if drained:
+                return
         event = self._wait_event(until)
         if event is not None:
             self._apply_event(event)

@@ -61,7 +61,7 @@ class BaseCache:
         from ``shipped`` if there is none, it died or its start failed; None when it
         cannot be used (or ``key`` is None). Raises what the start raised (to every
         session waiting for it); ``LookupError`` where a start is needed and ``shipped``
-        holds nothing (a fleet worker given no bytes: the node's base serves it)."""
+        holds nothing (no copy reached this worker)."""
         if key is None:
             return None
         self.forget(key)

@@ -166,8 +166,9 @@ class ResumeState:
         state = cls(**values)
         name = ""
         try:  # the nested fields: what they hold is named, not a raw TypeError / KeyError
-            for name in _RNG_FIELDS:
-                setattr(state, name, _checked_rng(rng_from_plain(getattr(state, name))))
+            for name in _RNG_FIELDS:  # (a sampler's generator may be on a device)
+                setattr(state, name, _checked_rng(rng_from_plain(getattr(state, name)),
+                                                  cpu=not name.startswith("sampler")))
             name = "worker_rng"
             if state.worker_rng is not None:
                 state.worker_rng = {w: _checked_worker_rng(_worker_rng(rng, 1))
@@ -195,10 +196,11 @@ def _check_counts(values: dict) -> None:
                                    f"least {least}")
 
 
-def _checked_rng(state: torch.Tensor | None) -> torch.Tensor | None:
+def _checked_rng(state: torch.Tensor | None, cpu: bool = True) -> torch.Tensor | None:
     """A torch generator's state, refused now (not at the next ``iter()``) if it is not
-    one of this torch's CPU generator's."""
-    if state is not None and (state.dtype != torch.uint8 or state.numel() != _TORCH_RNG_BYTES):
+    one of this torch's CPU generator's (``cpu``; else any generator's: bytes)."""
+    if state is not None and (state.dtype != torch.uint8 or not state.numel() or (
+            cpu and state.numel() != _TORCH_RNG_BYTES)):
         raise ValueError(f"a generator state of {state.numel()} {state.dtype} values; "
                          f"torch's holds {_TORCH_RNG_BYTES} bytes")
     return state
