@@ -42,16 +42,15 @@ OUT_OF_BAND_BYTES = 64 * 1024  # the shipped loader's smaller buffers stay in th
 @dataclass(frozen=True)
 class OutOfBand:
     """What a pickler lifts out of band: each tensor's storage, each once (``storages``),
-    else each tensor's and plain ndarray's own bytes, where a tensor on a device is
-    refused (``cpu_only``); buffers from ``threshold`` bytes on."""
+    else each tensor's and plain ndarray's own bytes (a batch's: a tensor on a device
+    is refused); buffers from ``threshold`` bytes on."""
 
     storages: bool
     threshold: int
-    cpu_only: bool
 
 
-BATCH = OutOfBand(storages=False, threshold=0, cpu_only=True)
-SHIPMENT = OutOfBand(storages=True, threshold=OUT_OF_BAND_BYTES, cpu_only=False)
+BATCH = OutOfBand(storages=False, threshold=0)
+SHIPMENT = OutOfBand(storages=True, threshold=OUT_OF_BAND_BYTES)
 
 
 class OutOfBandPickler(cloudpickle.Pickler):
@@ -79,7 +78,7 @@ class OutOfBandPickler(cloudpickle.Pickler):
         """A batch's CPU tensor or plain ndarray as its bytes; None for anything else."""
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
-            if obj.device.type != "cpu" and self.policy.cpu_only:
+            if obj.device.type != "cpu":
                 raise TypeError(
                     f"the batch holds a tensor on device {obj.device} (shape "
                     f"{tuple(obj.shape)}); dpex workers send CPU tensors: return CPU tensors "

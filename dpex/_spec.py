@@ -82,7 +82,7 @@ class Parcel:
 
     __slots__ = ("_data", "_ref", "preloaded")
 
-    def __init__(self, data: Any = None, *, ref: ShipmentRef | None = None,
+    def __init__(self, data: Any = None, ref: ShipmentRef | None = None,
                  preloaded: bool = False) -> None:
         self._data, self._ref, self.preloaded = data, ref, preloaded
 
@@ -138,11 +138,7 @@ class Parcel:
 
     def __reduce__(self) -> tuple:
         data = None if self._data is None else bytes(self._data)
-        return _parcel, (data, self._ref, self.preloaded)
-
-
-def _parcel(data: Any, ref: ShipmentRef | None, preloaded: bool) -> Parcel:
-    return Parcel(data, ref=ref, preloaded=preloaded)
+        return Parcel, (data, self._ref, self.preloaded)
 
 
 PRELOADED = Parcel(preloaded=True)  # a session forked from a fork base that holds it
