@@ -12,18 +12,18 @@ import time
 import pytest
 from test_loader_pickle import shipped
 
-from dpex._spec import Parcel
-from dpex.server._base_starter import BaseStarter
-from dpex.server._fork_base import preloaded
+from dpex._spec import PRELOADED, Parcel
+from dpex.server._base_cache import BaseStarter
 from dpex.server._node_bases import NodeBases, Published
 from dpex.server._session_process import mp_context
+from dpex.server._task_runner import load_shipped
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def report(conn):
     """A session's stand-in: its parent (the base) and the dataset it was forked with."""
-    loader = preloaded()
+    loader = load_shipped(PRELOADED)
     conn.send((os.getppid(), len(loader.dataset), loader.dataset[7]))
     conn.close()
 
@@ -70,8 +70,8 @@ OWNER = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
 from test_loader_pickle import shipped
-from dpex._spec import Parcel
-from dpex.server._base_starter import BaseStarter
+from dpex._spec import PRELOADED, Parcel
+from dpex.server._base_cache import BaseStarter
 from dpex.server._node_bases import NodeBases
 held = BaseStarter(None, share_libraries=False, node=NodeBases(sys.argv[2])).start(
     sys.argv[3], Parcel(bytes(shipped(list(range(1000))))))
@@ -83,8 +83,8 @@ OTHER = """
 import sys, time, types
 sys.path.insert(0, sys.argv[1])
 from test_node_bases import Idle
-from dpex._spec import Parcel
-from dpex.server._base_starter import BaseStarter
+from dpex._spec import PRELOADED, Parcel
+from dpex.server._base_cache import BaseStarter
 from dpex.server._node_bases import NodeBases
 from dpex.server._session_process import SessionProcess
 base = BaseStarter(None, share_libraries=False, node=NodeBases(sys.argv[2])).start(
@@ -154,3 +154,41 @@ def test_a_fleet_workers_death_ends_only_its_own_sessions_as_ray_ends_its_proces
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+# -- a host's library base ------------------------------------------------------------
+
+
+def imported(conn, names):
+    """A session's stand-in: which of ``names`` it was forked with imported."""
+    import sys
+
+    conn.send({name: name in sys.modules for name in names})
+    conn.close()
+
+
+def test_a_new_datasets_base_forks_from_a_library_base_holding_what_earlier_ones_imported():
+    """The library base imports the installed libraries an earlier base's loader
+    imported, and the next dataset's base is forked from it: its sessions have them
+    without importing them again. (It imported nothing while its load read a
+    memoryview as bytes: every library base was a fork of the forkserver, silently.)"""
+    import colorsys
+
+    starter = BaseStarter(None)
+    first = starter.start("aa" * 16, Parcel(bytes(shipped([colorsys.rgb_to_hsv]))))
+    assert first is not None and "colorsys" in first.libraries
+    second = starter.start("bb" * 16, Parcel(bytes(shipped(list(range(10))))))
+    try:
+        assert "colorsys" not in second.libraries  # (its own loader imported nothing)
+        ctx = mp_context()
+        mine, theirs = ctx.Pipe()
+        proc = second.process(target=imported, args=(theirs, ["colorsys"]), daemon=True)
+        proc.start()
+        theirs.close()
+        assert mine.poll(60), "the session never answered"
+        assert mine.recv() == {"colorsys": True}
+        proc.join(10)
+    finally:
+        for base in (first, second, starter._parent):
+            if base is not None:
+                base.stop()

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING
 from dpex._spec import Parcel, WorkerSpec
 from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
-from dpex.server._base_cache import BaseCache
-from dpex.server._base_starter import BaseStarter
+from dpex.server._base_cache import BaseCache, BaseStarter
 from dpex.server._fork_base import ForkBase
 from dpex.server._node_bases import NodeBases
 from dpex.server._session import Session, SessionServer

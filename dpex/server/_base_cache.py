@@ -1,4 +1,5 @@
-"""A host's fork bases, by shipment digest (:mod:`dpex.server._fork_base`).
+"""A host's fork bases (:mod:`dpex.server._fork_base`): which it holds, by shipment
+digest (:class:`BaseCache`), and how it starts them (:class:`BaseStarter`).
 
 A session of a loader forks from the base that holds that loader's shipment; the first
 session of a shipment on this host starts one (from the bytes its ``serve`` call
@@ -13,7 +14,11 @@ again: the next session with bytes starts another. A base no session uses is sto
 but those of the :data:`IDLE_BASES` latest digests (a train and a validation loader
 take turns), and a changed dataset's at once (:meth:`forget`).
 
-Pure but for the ``start`` it is given (a blocking call, run on the loop's executor).
+:class:`BaseCache` is pure but for the ``start`` it is given (a blocking call, run on
+the loop's executor: a host's is :meth:`BaseStarter.start`). A base starts from a
+*library base* that imported the installed libraries earlier bases' loaders imported,
+else from the host's forkserver; a fleet's through the node's shared registry
+(:mod:`dpex.server._node_bases`).
 
 The host wing's processes, what each holds and when it ends: NOTE [ The worker
 host's processes ] in :mod:`dpex.server._fork_base`.
@@ -22,12 +27,25 @@ host's processes ] in :mod:`dpex.server._fork_base`.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import sys
+import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dpex._spec import Parcel
+from dpex.server._fork_base import BaseUnsafe, ForkBase
+from dpex.server._node_bases import NodeBases, Published
+from dpex.server._session_process import START_STATE, mp_context, restore_state
+from dpex.server._task_runner import BASE_LOAD
 
-__all__ = ["IDLE_BASES", "Base", "BaseCache"]
+if TYPE_CHECKING:
+    from dpex._ray_connect import JobView
+
+__all__ = ["IDLE_BASES", "Base", "BaseCache", "BaseStarter"]
+
+logger = logging.getLogger("dpex")
 
 IDLE_BASES = 3  # fork bases a host keeps while no session uses them (the latest ones)
 
@@ -119,3 +137,92 @@ class BaseCache:
         """The started bases by digest (and None for unusable loaders)."""
         return {key: pending.result() for key, pending in self._bases.items()
                 if pending.done() and not pending.cancelled() and pending.exception() is None}
+
+
+def _prepare_base(ray_view: JobView | None, path: list[str]) -> None:
+    """A fork base's start: the worker's environment and directory as it started, its
+    ``sys.path`` as it is now (``path``: Ray adds the job's code paths, the trainer
+    script's directory among them, once the worker runs the job's first task), and
+    Ray calls of the dataset's unpickling join the worker's cluster (a base that
+    connects to Ray is then not forked from: its Ray threads would not live through a
+    fork)."""
+    environ, _, cwd = START_STATE
+    restore_state((environ, path, cwd))
+    if ray_view is not None:
+        from dpex._ray_connect import join_on_first_call
+
+        join_on_first_call(ray_view)
+
+
+def _import_libraries(data: Any) -> bool:  # (its base is not watched)
+    """A library base's load: import the modules named in ``data`` (one per line; a
+    bytes-like object, the base's private mapping of them)."""
+    from dpex.server._forkserver_preload import import_all
+
+    import_all(bytes(data).decode().split())
+    return True
+
+
+class BaseStarter:
+    """How a worker starts its fork bases: from a *library base* (a process forked from
+    the forkserver that imported the installed libraries earlier bases' loaders
+    imported: Lightning's ``worker_init_fn`` imports Lightning, ~7 s of CPU here), so
+    that a new dataset's base does not import them again; from the forkserver while
+    there is none (or it would leave threads running: then never)."""
+
+    def __init__(self, ray_view: JobView | None, share_libraries: bool = True,
+                 node: NodeBases | None = None) -> None:
+        """``node``: a fleet's bases on this node, shared with its other workers there."""
+        self._ray_view = ray_view
+        self._node = node
+        self._lock = threading.Lock()  # (bases start on executor threads)
+        self._libraries: dict[str, None] = {}  # in import order
+        self._parent: ForkBase | None = None
+        self._parent_has = 0  # how many of _libraries it imported
+        self._refused = not share_libraries
+
+    def _prepare(self) -> Any:
+        return functools.partial(_prepare_base, self._ray_view, list(sys.path))
+
+    def _library_base(self) -> ForkBase | None:
+        with self._lock:
+            if self._refused or len(self._libraries) == self._parent_has:
+                return self._parent
+            names = list(self._libraries)
+            old, self._parent = self._parent, None
+        if old is not None:
+            old.stop()  # (the bases forked from it live on)
+        parent = ForkBase(mp_context(), "libraries")
+        try:
+            parent.start(Parcel("\n".join(names).encode()), self._prepare(), _import_libraries,
+                         watch=False)
+        except BaseUnsafe as exc:
+            logger.info("dpex: %s; fork bases start from the forkserver", exc)
+            with self._lock:
+                self._refused = True
+            return None
+        with self._lock:
+            self._parent, self._parent_has = parent, len(names)
+        return parent
+
+    def start(self, key: str, shipped: Parcel) -> ForkBase | Published | None:
+        """A started fork base for shipment ``key`` (blocking), None if it cannot be used;
+        a fleet's: the one this node's workers share, started here if there is none."""
+        if self._node is not None:
+            return self._node.start(key, functools.partial(self._start, key, shipped))
+        return self._start(key, shipped)
+
+    def _start(self, key: str, shipped: Parcel) -> ForkBase | None:
+        base = ForkBase(mp_context(), key, parent=self._library_base())
+        try:
+            base.start(shipped, self._prepare(), BASE_LOAD)
+        except BaseUnsafe as exc:
+            logger.warning("%s: each session unpickles the dataset itself", exc)
+            return None
+        if base.per_worker is not None:
+            logger.info("dpex: %s, so each worker unpickles its own copy of the dataset "
+                        "(as under torch's spawn); its tensors and arrays stay shared",
+                        base.per_worker)
+        with self._lock:
+            self._libraries.update(dict.fromkeys(base.libraries))
+        return base

@@ -97,41 +97,17 @@ from dpex._shipfile import ShipmentUnavailable, map_shipment
 from dpex._spec import Parcel
 from dpex.server._unpickling import UnpicklingWatch
 
-__all__ = ["ForkBase", "BaseUnsafe", "preloaded", "enter_base_state"]
+__all__ = ["ForkBase", "BaseUnsafe", "enter_base_state"]
 
 _READY_S = 600.0  # how long a host waits for a base to unpickle its loader
 
-# In a base and the sessions forked from it: the loader it unpickled (or the error
-# unpickling raised), and its directory and sys.path once the trainer's were applied.
-_LOADED: Any = None
+# In a base and the sessions forked from it: its directory and sys.path once the
+# trainer's were applied.
 _STATE: tuple[str, list[str]] | None = None
-
-
-class _PerWorker:
-    """A base whose loader each session unpickles itself, over the base's copy of the
-    shipment (``data``: its buffers are lent, so the tensors and arrays stay the base's
-    pages): unpickling it ran the dataset's own code or opened a descriptor (``why``)."""
-
-    __slots__ = ("load", "data", "why")
-
-    def __init__(self, load: Callable[..., Any], data: Any, why: str) -> None:
-        self.load, self.data, self.why = load, data, why
 
 
 class BaseUnsafe(RuntimeError):
     """A base could not be used (its loader left threads running): serve without."""
-
-
-def preloaded() -> Any:
-    """The loader of the base this session was forked from (raises what unpickling it
-    raised, a :class:`~dpex.errors.WorkerStartupError`)."""
-    if isinstance(_LOADED, BaseException):
-        raise _LOADED
-    if isinstance(_LOADED, _PerWorker):  # this worker's own unpickling, as under spawn
-        return _LOADED.load(_LOADED.data, lend=True)
-    if _LOADED is None:
-        raise RuntimeError("this process was not forked from a dpex fork base")
-    return _LOADED
 
 
 def enter_base_state() -> None:
@@ -172,12 +148,12 @@ def _threads() -> int:
 
 
 def _base_main(address: str, alive: Connection, link: Connection,
-               prepare: Callable[[], None], load: Callable[..., Any],
-               watch: bool = True) -> None:
+               prepare: Callable[[], None], load: Any, watch: bool = True) -> None:
     """The base: ``prepare()`` the process, take the pickled loader from ``link`` and
-    ``load`` it (``watch``-ed: see :mod:`dpex.server._unpickling`), say there whether it
-    is ready, then fork sessions until ``alive`` reaches its end."""
-    global _LOADED, _STATE
+    ``load`` it (``watch``-ed: see :mod:`dpex.server._unpickling`; ``load`` holds what it
+    made where its sessions read it, :class:`~dpex.server._task_runner.BaseLoad`), say
+    there whether it is ready, then fork sessions until ``alive`` reaches its end."""
+    global _STATE
     prepare()  # (as the host started, not as its forkserver did)
     before = set(sys.modules)
     per_worker: str | None = None
@@ -188,21 +164,18 @@ def _base_main(address: str, alive: Connection, link: Connection,
         link.send(("unavailable", str(exc)))  # gets the object store's copy instead)
         return
     watching = UnpicklingWatch() if watch else None
-    try:
-        if watching is not None:
-            with watching:
-                _LOADED = load(data, unpickler=watching.unpickler)
-        else:
-            _LOADED = load(data)
-    except BaseException as exc:  # noqa: BLE001 - each session raises it as its own
-        _LOADED = exc
+    if watching is not None:
+        with watching:
+            loaded = load(data, unpickler=watching.unpickler)
+    else:
+        loaded = load(data)
     gc.collect()  # (one collection: a file the loader dropped is closed before counting)
-    if watching is not None and not isinstance(_LOADED, BaseException):
+    if watching is not None and loaded:
         opened = watching.opened()
         if watching.foreign is not None or opened:
             per_worker = (f"unpickling it runs {watching.foreign}" if watching.foreign
                           else f"unpickling it opens {', '.join(opened)}")
-            _LOADED = _PerWorker(load, data, per_worker)
+            load.each_worker(data, per_worker)
             gc.collect()  # the trial copy goes (before gc.freeze() would keep it)
     del data  # (a shared loader holds what it needs of it)
     threads = _threads()
@@ -338,13 +311,15 @@ class ForkBase:
         self._address: str | None = None
         self._lock = threading.Lock()
 
-    def start(self, shipped: Parcel, prepare: Callable[[], None], load: Callable[..., Any],
+    def start(self, shipped: Parcel, prepare: Callable[[], None], load: Any,
               timeout: float = _READY_S, watch: bool = True) -> None:
         """Fork the base, hand it ``shipped`` (the pickled loader's bytes, or the trainer's
         memfd holding it, which the base maps itself; ``shipped`` keeps what it holds) and
         wait until ``load(data)`` is done there (after ``prepare()``; both pickled by
-        reference; ``watch``: ``load`` takes an ``unpickler`` and a ``lend`` keyword and
-        the base watches what unpickling does, :mod:`dpex.server._unpickling`); raises
+        reference; ``watch``: ``load`` takes an ``unpickler`` keyword, says whether it
+        loaded, has an ``each_worker(data, why)`` (a
+        :class:`~dpex.server._task_runner.BaseLoad`), and the base watches what
+        unpickling does, :mod:`dpex.server._unpickling`); raises
         :class:`BaseUnsafe` when it cannot be used, :class:`ShipmentUnavailable` when
         the memfd ``data`` names is gone (then nothing is left running)."""
         address = connection.arbitrary_address("AF_UNIX")

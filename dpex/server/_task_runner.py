@@ -32,7 +32,6 @@ from dpex._spec import (
 )
 from dpex._transport import SOCKET, RingTransport, Transport, encode_data
 from dpex.errors import BatchTooLargeError, WorkerStartupError
-from dpex.server._fork_base import preloaded
 from dpex.server._rng import (
     RngLog,
     RngRecorder,
@@ -44,7 +43,7 @@ from dpex.server._rng import (
 )
 from dpex.server._trainer_state import enter_trainer_state
 
-__all__ = ["TaskRunner", "load_pickled", "load_shipped"]
+__all__ = ["BASE_LOAD", "BaseLoad", "TaskRunner", "load_pickled", "load_shipped"]
 
 logger = logging.getLogger("dpex")
 
@@ -66,14 +65,66 @@ def load_shipped(shipped: Parcel, *, lend: bool | None = None,
     """The shipped loader, unpickled from ``shipped`` (taken: its bytes are not kept once
     unpickled; the trainer's memfd mapped here, :class:`ShipmentUnavailable` if it is
     gone, and the trainer starts the worker again), or the one the fork base this
-    process was forked from unpickled (``shipped.preloaded``). ``lend`` and
-    ``unpickler``: as :func:`dpex._loader_pickle.loads` takes them."""
+    process was forked from holds (``shipped.preloaded``: :data:`BASE_LOAD`). ``lend``
+    and ``unpickler``: as :func:`dpex._loader_pickle.loads` takes them."""
     if shipped.preloaded:
-        return preloaded()
+        return BASE_LOAD.held()
     data = shipped.take()
     if data is None:
         raise WorkerStartupError("the shipped loader was unpickled once already")
     return load_pickled(data, lend=lend, unpickler=unpickler)
+
+
+class _EachWorker:
+    """A base's loader that each session unpickles itself, over the base's copy of the
+    shipment (``data``: its buffers are lent, so the tensors and arrays stay the base's
+    pages): unpickling it ran the dataset's own code or opened a descriptor (``why``)."""
+
+    __slots__ = ("data", "why")
+
+    def __init__(self, data: Any, why: str) -> None:
+        self.data, self.why = data, why
+
+
+class BaseLoad:
+    """What a fork base (:mod:`dpex.server._fork_base`) does with the shipment it mapped:
+    unpickle the loader and hold it here, where its sessions' :func:`load_shipped`
+    reads it (each session is a fork of the base: the same module, the same object).
+    Pickled by reference into the base; one per process (:data:`BASE_LOAD`)."""
+
+    _held: Any = None  # the loader, the error unpickling raised, or an _EachWorker
+
+    def __call__(self, data: Any, *, unpickler: Any = None) -> bool:
+        """Unpickle the loader from ``data`` and hold it; False where that raised (each
+        session raises it as its own :class:`WorkerStartupError`)."""
+        try:
+            BaseLoad._held = load_pickled(data, unpickler=unpickler)
+        except BaseException as exc:  # noqa: BLE001 - held for each session
+            BaseLoad._held = exc
+            return False
+        return True
+
+    def each_worker(self, data: Any, why: str) -> None:
+        """Drop the loader: each session unpickles its own from ``data`` (``why``)."""
+        BaseLoad._held = _EachWorker(data, why)
+
+    def held(self) -> ShippedLoader:
+        """In a session forked from a base: its loader, or this worker's own unpickling
+        of its bytes; raises what unpickling raised."""
+        held = BaseLoad._held
+        if isinstance(held, BaseException):
+            raise held
+        if isinstance(held, _EachWorker):  # this worker's own unpickling, as under spawn
+            return load_pickled(held.data, lend=True)
+        if held is None:
+            raise RuntimeError("this process was not forked from a dpex fork base")
+        return held
+
+    def __reduce__(self) -> str:
+        return "BASE_LOAD"
+
+
+BASE_LOAD = BaseLoad()
 
 
 def load_pickled(data: Any, *, lend: bool | None = None, unpickler: Any = None) -> ShippedLoader:
