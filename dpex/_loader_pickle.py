@@ -7,9 +7,13 @@ tensors' storages and NumPy's arrays of at least
 :data:`~dpex._pickling.OUT_OF_BAND_BYTES` travel as pickle-5 buffers beside the
 pickle (pickled by :mod:`dpex._pickling`), in one frame (:class:`PickleParts`):
 
-    [what came before (the trainer's state)] MAGIC, header length, header (JSON:
-    the pickle's and each buffer's offset and length in the frame), the pickle,
-    then each buffer at an offset aligned to :data:`ALIGN` in the whole shipment
+    MAGIC, header length, header (JSON: the pickle's and each buffer's offset and
+    length, and the trainer's state, :mod:`dpex._process_state`), the pickle, then
+    each buffer at an offset aligned to :data:`ALIGN`
+
+The trainer's state rides in the header because it must be applied before the
+dataset is unpickled (its directory, its environment), and it is never itself
+unpickled: :func:`loads` hands it to its ``enter`` first.
 
 The trainer writes the parts straight from the tensors' memory into the memfd
 (:mod:`dpex._shipfile`), with no copy of its own. A fork base maps the memfd
@@ -34,7 +38,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import xxhash
@@ -64,13 +68,13 @@ class PickleParts:
         self.out_of_band = out_of_band
 
     @classmethod
-    def framed(cls, prefix: bytes, data: bytes, buffers: list[Any],
-               refs: Iterable[Any] = ()) -> PickleParts:
-        """The parts of a shipment: ``prefix``, then the frame of the pickle ``data`` and
-        its out-of-band ``buffers`` (each a :class:`pickle.PickleBuffer`), padded so that
-        every buffer starts at a multiple of :data:`ALIGN` from the shipment's start.
-        With no buffers, ``prefix + data`` as it always was (no frame)."""
-        return cls(_frame(prefix, data, buffers), refs=refs,
+    def framed(cls, data: bytes, buffers: list[Any], refs: Iterable[Any] = (),
+               trainer: dict | None = None) -> PickleParts:
+        """The parts of a shipment: the frame of the pickle ``data``, the ``trainer``'s
+        state (JSON-ready, :meth:`~dpex._process_state.TrainerState.head`) and the
+        out-of-band ``buffers`` (each a :class:`pickle.PickleBuffer`), padded so that
+        every buffer starts at a multiple of :data:`ALIGN`."""
+        return cls(_frame(data, buffers, trainer), refs=refs,
                    out_of_band=sum(buffer.raw().nbytes for buffer in buffers))
 
     @property
@@ -92,39 +96,39 @@ class PickleParts:
         return b"".join(self.parts)
 
 
-def _frame(prefix: bytes, data: bytes, buffers: list[Any]) -> list[Any]:
+def _frame(data: bytes, buffers: list[Any], trainer: dict | None) -> list[Any]:
     """:meth:`PickleParts.framed`'s parts."""
-    if not buffers:
-        return [prefix, data]
     views = [buffer.raw() for buffer in buffers]
+    extra = {} if trainer is None else {"trainer": trainer}
     # The header's length depends on the offsets it lists: lay out with room for it.
     entries: list[list[int]] = []
-    head_room = 64 + 48 * (len(views) + 1)
-    start = len(prefix) + len(MAGIC) + _LENGTH.size + head_room
+    head_room = 64 + 48 * (len(views) + 1) + len(json.dumps(extra))
+    start = len(MAGIC) + _LENGTH.size + head_room
     at = start + len(data)
     for view in views:
         at += -at % ALIGN
-        entries.append([at - len(prefix), view.nbytes])
+        entries.append([at, view.nbytes])
         at += view.nbytes
-    header = json.dumps({"pickle": [start - len(prefix), len(data)],
-                         "buffers": entries}).encode()
+    header = json.dumps({"pickle": [start, len(data)], "buffers": entries, **extra}).encode()
     if len(header) > head_room:  # (cannot happen: each entry is under 48 bytes)
         raise ValueError("dpex: the shipment's header outgrew its room")
     header = header.ljust(head_room)
-    parts: list[Any] = [prefix, MAGIC + _LENGTH.pack(len(header)) + header, data]
+    parts: list[Any] = [MAGIC + _LENGTH.pack(len(header)) + header, data]
     at = start + len(data)
     for (offset, _), view in zip(entries, views, strict=True):
-        pad = offset + len(prefix) - at
-        if pad:
-            parts.append(bytes(pad))
+        if offset - at:
+            parts.append(bytes(offset - at))
         parts.append(view)
-        at = offset + len(prefix) + view.nbytes
+        at = offset + view.nbytes
     return parts
 
 
 def loads(data: Any, *, lend: bool | None = None,
-          unpickler: type[pickle.Unpickler] | None = None) -> Any:
-    """Unpickle a loader's pickle, framed (see the module's docstring) or plain. A
+          unpickler: type[pickle.Unpickler] | None = None,
+          enter: Callable[[dict], None] | None = None) -> Any:
+    """Unpickle a loader's pickle, framed (see the module's docstring) or plain, after
+    handing the trainer's state the frame carries to ``enter`` (a plain pickle carries
+    none). A
     writable ``data`` (the memfd mapped copy-on-write) lends its buffers to what is
     rebuilt, where its pickle is at most :data:`LEND_IN_BAND_BYTES` (``lend=True``: at
     any size, for a source kept as long as what is rebuilt from it); otherwise (a
@@ -139,6 +143,8 @@ def loads(data: Any, *, lend: bool | None = None,
     (n,) = _LENGTH.unpack_from(view, len(MAGIC))
     at = len(MAGIC) + _LENGTH.size
     header = json.loads(bytes(view[at:at + n]))
+    if enter is not None and "trainer" in header:
+        enter(header["trainer"])
     start, length = header["pickle"]
     buffers = [view[offset:offset + size] for offset, size in header["buffers"]]
     if view.readonly or (length > LEND_IN_BAND_BYTES and not lend):

@@ -21,21 +21,20 @@ Module globals never travel: see README, "What a worker sees".
 
 Pure apart from reading the process's own state in :func:`capture`; the worker side
 (applying and undoing it) is :mod:`dpex.server._trainer_state`. The state travels in
-front of the pickled loader (:func:`wrap` / :func:`unwrap`), as JSON: it must be
-applied before the dataset is unpickled, and it is never itself unpickled.
+the shipment's header (:meth:`TrainerState.head`, :mod:`dpex._loader_pickle`), as
+JSON: it must be applied before the dataset is unpickled, and it is never itself
+unpickled.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["TrainerState", "capture", "environment_changes", "initial_environment",
-           "wrap", "unwrap", "SHIP_ENV", "looks_secret", "shipped_variable"]
+           "SHIP_ENV", "looks_secret", "shipped_variable"]
 
 # "0": ship no environment variables; "1": ship them (to a fleet's workers too); a list
 # of names (comma-separated): ship them, and those names even if they look like secrets.
@@ -50,8 +49,6 @@ _NEVER = frozenset({
     "NEURON_RT_VISIBLE_CORES", "TPU_VISIBLE_CHIPS", "ONEAPI_DEVICE_SELECTOR",
     "HABANA_VISIBLE_MODULES",
 })
-_MAGIC = b"DPEXPS1\0"  # never the start of a pickle (those begin with b"\x80")
-_LENGTH = struct.Struct("<I")
 
 
 def shipped_variable(name: str) -> bool:
@@ -74,12 +71,23 @@ class TrainerState:
     set_env: Mapping[str, str] = field(default_factory=dict)  # name -> value
     unset_env: tuple[str, ...] = ()  # removed by the trainer since it started
     # Changed but kept back (secret-looking names; all, for a fleet by default): named in
-    # the trainer's log, never shipped (not part of what wrap() writes).
+    # the trainer's log, never shipped (not part of its head()).
     withheld: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
         return self.cwd is None and not self.set_env and not self.unset_env
+
+    def head(self) -> dict:
+        """What travels to the workers (JSON-ready; ``withheld`` never does): the same
+        state gives the same dict, in the same order (the loader reuses a shipment by
+        its digest)."""
+        return {"cwd": self.cwd, "set": dict(self.set_env), "unset": list(self.unset_env)}
+
+    @classmethod
+    def from_head(cls, head: Mapping[str, Any]) -> TrainerState:
+        """The state a worker was shipped (:meth:`head`'s inverse)."""
+        return cls(cwd=head["cwd"], set_env=dict(head["set"]), unset_env=tuple(head["unset"]))
 
 
 def _read_initial_environment() -> dict[str, str] | None:
@@ -140,24 +148,3 @@ def capture(environ: Mapping[str, str] | None = None, before: Mapping[str, str] 
     withheld = tuple(k for k in changed if looks_secret(k) and k not in listed)
     shipped = {k: v for k, v in changed.items() if k not in withheld}
     return TrainerState(cwd=cwd, set_env=shipped, unset_env=removed, withheld=withheld)
-
-
-def wrap(state: TrainerState, loader_bytes: bytes) -> bytes:
-    """``loader_bytes`` with ``state`` in front (what a worker is shipped)."""
-    head = json.dumps({"cwd": state.cwd, "set": dict(state.set_env),
-                       "unset": list(state.unset_env)}).encode()
-    return _MAGIC + _LENGTH.pack(len(head)) + head + loader_bytes
-
-
-def unwrap(data: Any) -> tuple[TrainerState | None, bytes | memoryview]:
-    """(the trainer's state, the loader's pickle: a view, not a copy); ``None`` for
-    bytes that carry no state (a loader pickled directly, as tests do)."""
-    view = memoryview(data)
-    if bytes(view[:len(_MAGIC)]) != _MAGIC:
-        return None, data
-    at = len(_MAGIC) + _LENGTH.size
-    (n,) = _LENGTH.unpack_from(view, len(_MAGIC))
-    head = json.loads(bytes(view[at:at + n]))
-    state = TrainerState(cwd=head["cwd"], set_env=dict(head["set"]),
-                         unset_env=tuple(head["unset"]))
-    return state, view[at + n:]

@@ -61,9 +61,10 @@ def test_tensors_and_arrays_travel_beside_the_pickle_not_in_it():
     assert len(pickle.dumps(data, protocol=5)) > buffers
 
 
-def test_every_buffer_starts_aligned_in_the_shipment_whatever_comes_before():
-    parts = PickleParts.framed(b"x" * 13, b"p" * 7, [pickle.PickleBuffer(bytearray(n))
-                                                     for n in (100, 70_001, 3)]).parts
+def test_every_buffer_starts_aligned_in_the_shipment_whatever_the_header_holds():
+    parts = PickleParts.framed(b"p" * 7, [pickle.PickleBuffer(bytearray(n))
+                                          for n in (100, 70_001, 3)],
+                               trainer={"cwd": "/d", "set": {"A": "x" * 13}, "unset": []}).parts
     whole = b"".join(bytes(part) for part in parts)
     at = whole.index(_loader_pickle.MAGIC)
     n = _loader_pickle._LENGTH.unpack_from(whole, at + 8)[0]
@@ -72,6 +73,7 @@ def test_every_buffer_starts_aligned_in_the_shipment_whatever_comes_before():
     assert [o % ALIGN for o in offsets] == [0, 0, 0]
     assert [size for _, size in header["buffers"]] == [100, 70_001, 3]
     assert whole[at + header["pickle"][0]:][:7] == b"p" * 7
+    assert header["trainer"]["set"] == {"A": "x" * 13}
 
 
 def test_a_writable_source_lends_its_pages_and_a_read_only_one_is_copied():
@@ -122,9 +124,12 @@ def test_views_of_one_storage_travel_once_and_come_back_sharing_it():
         assert torch.equal(out[key], view)
 
 
-def test_small_buffers_stay_in_the_pickle_and_no_frame_is_made():
+def test_small_buffers_stay_in_the_pickle_and_the_frame_lists_none():
     shipment = shipped({"t": torch.ones(10), "a": np.zeros(OUT_OF_BAND_BYTES // 8 - 1)})
-    assert _loader_pickle.MAGIC not in bytes(shipment)
+    whole = bytes(shipment)
+    n = _loader_pickle._LENGTH.unpack_from(whole, 8)[0]
+    assert _loader_pickle.json.loads(whole[12:12 + n])["buffers"] == []
+    assert shipment.out_of_band == 0 and whole.count(_loader_pickle.MAGIC) == 1
     assert torch.equal(unpickled(bytes(shipment))["t"], torch.ones(10))
 
 

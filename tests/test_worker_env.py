@@ -16,7 +16,8 @@ import pytest
 from torch.utils.data import DataLoader, Dataset
 
 from dpex import DatasetNotPicklableError, DpexDataLoader
-from dpex._process_state import SHIP_ENV, TrainerState, capture, unwrap, wrap
+from dpex._loader_pickle import PickleParts, loads
+from dpex._process_state import SHIP_ENV, TrainerState, capture
 from dpex._spec import ShippedLoader
 from dpex.client._shipping import ship_loader
 from dpex.server._trainer_state import (
@@ -143,15 +144,21 @@ def test_dpex_ship_env_0_ships_no_variables_but_the_directory():
     assert state == TrainerState(cwd="/data/run")
 
 
-def test_the_state_travels_in_front_of_the_loader_and_bytes_without_it_pass_as_they_are():
+def shipment(state: TrainerState, loader_bytes: bytes = b"") -> bytes:
+    return bytes(PickleParts.framed(loader_bytes, [], trainer=state.head()))
+
+
+def test_the_state_travels_in_the_shipments_header_and_a_plain_pickle_carries_none():
     state = TrainerState(cwd="/d", set_env={"A": "é=1"}, unset_env=("B",))
     loader_bytes = pickle.dumps({"dataset": 1})
-    got, rest = unwrap(wrap(state, loader_bytes))
-    assert got == state and bytes(rest) == loader_bytes
-    assert unwrap(loader_bytes) == (None, loader_bytes)
+    seen: list = []
+    assert loads(shipment(state, loader_bytes), enter=seen.append) == {"dataset": 1}
+    assert [TrainerState.from_head(head) for head in seen] == [state]
+    seen.clear()
+    assert loads(loader_bytes, enter=seen.append) == {"dataset": 1} and seen == []
     # the same state gives the same bytes: a loader reuses what it shipped by digest
-    assert wrap(capture({"X": "1", "Y": "2"}, {}, cwd="/d"), b"") == wrap(
-        capture({"Y": "2", "X": "1"}, {}, cwd="/d"), b"")
+    assert shipment(capture({"X": "1", "Y": "2"}, {}, cwd="/d")) == shipment(
+        capture({"Y": "2", "X": "1"}, {}, cwd="/d"))
 
 
 def test_a_session_applies_the_state_and_undoing_it_restores_the_nodes_own(tmp_path):
@@ -207,17 +214,15 @@ def test_a_directory_missing_on_this_node_keeps_the_workers_and_is_logged_once(
 def test_entering_a_sessions_state_undoes_one_left_over(monkeypatch, tmp_path):
     monkeypatch.delenv(VAR, raising=False)
     monkeypatch.chdir(tmp_path)
-    first = wrap(TrainerState(cwd=str(tmp_path), set_env={VAR: "first"}), b"loader")
-    second = wrap(TrainerState(cwd=str(tmp_path), set_env={}), b"loader")
-    state, rest = unwrap(first)
-    enter_trainer_state(state)
-    assert bytes(rest) == b"loader" and os.environ[VAR] == "first"
-    enter_trainer_state(unwrap(second)[0])  # a session that never left (killed): not kept
+    first = TrainerState.from_head(TrainerState(cwd=str(tmp_path), set_env={VAR: "first"}).head())
+    second = TrainerState(cwd=str(tmp_path), set_env={})
+    enter_trainer_state(first)
+    assert os.environ[VAR] == "first"
+    enter_trainer_state(second)  # a session that never left (killed): not kept
     assert VAR not in os.environ
     leave_trainer_state()
     leave_trainer_state()
     assert BEFORE_ENV not in os.environ
-    assert unwrap(b"plain pickle") == (None, b"plain pickle")
     enter_trainer_state(None)  # (nothing carried: nothing changes)
     assert BEFORE_ENV not in os.environ
 
@@ -252,7 +257,7 @@ def test_names_that_look_like_secrets_stay_back_unless_listed():
                                    SHIP_ENV: "HF_TOKEN, db_password"}
     assert state.withheld == ("AWS_SECRET_ACCESS_KEY", "GOOGLE_APPLICATION_CREDENTIALS",
                               "OPENAI_API_KEY")
-    assert "hf_x" not in wrap(capture({**SECRETS}, {}, cwd="/d"), b"").decode()
+    assert b"hf_x" not in shipment(capture({**SECRETS}, {}, cwd="/d"))
 
 
 def test_a_fleets_workers_get_no_variables_unless_the_trainer_asks():

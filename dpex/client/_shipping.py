@@ -20,7 +20,7 @@ import ray
 
 from dpex._loader_pickle import PickleParts
 from dpex._pickling import SHIPMENT, OutOfBandPickler
-from dpex._process_state import SHIP_ENV, TrainerState, capture, looks_secret, wrap
+from dpex._process_state import SHIP_ENV, TrainerState, capture, looks_secret
 from dpex._ray_connect import load_ray_handle, ray_handle_reducer
 from dpex._spec import ShippedLoader
 from dpex.errors import DatasetNotPicklableError
@@ -187,4 +187,4 @@ def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
         raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc
     state = capture(fleet=fleet) if state is None else state
     _say_environment(state)
-    return PickleParts.framed(wrap(state, b""), loader_bytes, buffers, refs=refs)
+    return PickleParts.framed(loader_bytes, buffers, refs=refs, trainer=state.head())

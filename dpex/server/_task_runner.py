@@ -19,7 +19,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
 from dpex import _loader_pickle
-from dpex._process_state import unwrap
+from dpex._process_state import TrainerState
 from dpex._protocol import Kind, ProtocolError
 from dpex._shm import WorkerRing, collating_into
 from dpex._spec import (
@@ -73,6 +73,10 @@ def load_shipped(shipped: Parcel, *, lend: bool | None = None,
     if data is None:
         raise WorkerStartupError("the shipped loader was unpickled once already")
     return load_pickled(data, lend=lend, unpickler=unpickler)
+
+
+def _enter(head: dict) -> None:
+    enter_trainer_state(TrainerState.from_head(head))
 
 
 class _EachWorker:
@@ -129,12 +133,10 @@ BASE_LOAD = BaseLoad()
 
 def load_pickled(data: Any, *, lend: bool | None = None, unpickler: Any = None) -> ShippedLoader:
     """The shipped loader unpickled from its bytes (a bytes-like object: what a fork
-    base holds), the trainer's directory and environment carried in front of them
-    applied first."""
-    state, data = unwrap(data)
-    enter_trainer_state(state)
+    base holds), the trainer's directory and environment its header carries applied
+    first."""
     try:
-        return _loader_pickle.loads(data, lend=lend, unpickler=unpickler)
+        return _loader_pickle.loads(data, lend=lend, unpickler=unpickler, enter=_enter)
     except ModuleNotFoundError as exc:
         raise WorkerStartupError(
             f"cannot unpickle the dataset: this worker cannot import module {exc.name!r}, "

@@ -108,8 +108,8 @@ _applied: AppliedState | None = None  # this process's session's, until it ends
 
 
 def enter_trainer_state(state: TrainerState | None) -> None:
-    """Apply the trainer's ``state`` (carried in front of the shipment's bytes:
-    :func:`~dpex._process_state.unwrap`) to this process, undoing a previous
+    """Apply the trainer's ``state`` (carried in the shipment's header:
+    :func:`dpex._loader_pickle.loads` hands it here) to this process, undoing a previous
     session's, if one was left; None (bytes that carried none) changes nothing."""
     global _applied
     if state is None:
