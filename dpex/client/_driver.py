@@ -48,6 +48,7 @@ from dpex.client._events import (
     WorkerProgress,
 )
 from dpex.client._fleet_group import FleetGroup
+from dpex.client._interrupts import held, interruptible
 from dpex.client._launch import LaunchPlan
 from dpex.client._rng_query import RngQuery
 from dpex.client._runtime import Runtime, Seeds
@@ -94,8 +95,7 @@ class EpochDriver:
     its own start fails); ``ship()`` gives the iterator's ``Shipment``. No Ray call of
     its own but ``free_resources`` for an error message: tests drive it in memory.
     ``on_stop`` is called (weakly: the iterator's bound method) whenever the driver
-    stops everything itself before it raises: the iterator keeps its final counters.
-    """
+    stops everything itself before it raises: the iterator keeps its final counters."""
 
     def __init__(self, runtime: Runtime, handoff: Handoff, config: DpexConfig,
                  plan: LaunchPlan, seeds: Seeds, *, ship: Callable[[], Shipment],
@@ -179,20 +179,20 @@ class EpochDriver:
     def next_message(self, draw: Callable[[], Any]) -> Any:
         """The next message of the epoch in order (EPOCH_END at its end), drawing
         index batches with ``draw`` as credits allow; waits (and recovers) as needed."""
-        self.elastic.on_training_thread()
-        while True:
-            self.elastic.tick(draw)
-            msg, actions = self.sched.take(draw)
-            self.apply(actions)
-            if msg is not None:
-                return msg
-            waited = time.monotonic()
-            try:
-                self.receive_one()
-            finally:
-                waited = time.monotonic() - waited
-                self.wait_s += waited
-                self.waited_total += waited
+        with held(keep_on_return=True):  # (Ctrl-C: raised in the waits only)
+            self.elastic.on_training_thread()
+            while True:
+                self.elastic.tick(draw)
+                msg, actions = self.sched.take(draw)
+                self.apply(actions)
+                if msg is not None:
+                    return msg
+                waited = time.monotonic()
+                try:
+                    self.receive_one()
+                finally:
+                    waited = time.monotonic() - waited
+                    self.wait_s, self.waited_total = self.wait_s + waited, self.waited_total + waited
 
     def apply(self, actions: list[Any]) -> None:
         """Carry out the scheduler's actions, in its order; the messages among them are
@@ -334,7 +334,8 @@ class EpochDriver:
             if due is Due.PLACEMENT_CHECK:
                 self._check_placement()
                 continue
-            self.session.wait(wait)
+            with interruptible():  # (nothing is half done here)
+                self.session.wait(wait)
             if self.runtime.closed:
                 raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
             if not self.loop.running:

@@ -29,6 +29,7 @@ from dpex._spec import ShippedLoader, stateful_dataset
 from dpex._stats import Latencies, LoaderStats
 from dpex.client._driver import EpochDriver, Seeds
 from dpex.client._events import Handoff
+from dpex.client._interrupts import held, interruptible
 from dpex.client._launch import plan_launch
 from dpex.client._report import iterator_stats
 from dpex.client._runtime import Runtime
@@ -160,10 +161,11 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
 
     def __next__(self) -> Any:
         try:
-            data = super().__next__()
-            drawing = self._sampler_iter
-            if isinstance(drawing, Drawing):  # (what state_dict() may still ask for)
-                drawing.yielded(drawing.yielded_of(self._num_yielded))
+            with held(keep_on_return=True):  # Ctrl-C raised in the waits (_interrupts)
+                data = super().__next__()
+                drawing = self._sampler_iter
+                if isinstance(drawing, Drawing):  # (what state_dict() may still ask for)
+                    drawing.yielded(drawing.yielded_of(self._num_yielded))
             return data
         except StopIteration:
             raise
@@ -182,7 +184,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         if driver.closed and self._epoch_end is None:  # an ended epoch stays ended
             raise IteratorClosedError("this dpex iterator was closed; iterate the loader again")
         if self._deferred_start is not None:
-            self._deferred_start()  # (if it raises, the next call tries again)
+            with interruptible():  # (if it raises, the next call tries again)
+                self._deferred_start()
             self._deferred_start = None
         while True:
             msg = driver.next_message(self._next_index)

@@ -46,6 +46,7 @@ from dpex._shm import RingRef, TrainerRing
 from dpex._transport import SOCKET, Receiver, RingTransport
 from dpex.client._events import Handoff, LoopFailure, RngReply, WorkerHello, WorkerProgress
 from dpex.client._gate import ConnectionGate
+from dpex.client._interrupts import held
 from dpex.client._routes import ControlRoutes
 from dpex.errors import EventLoopError, ProtocolError
 
@@ -349,7 +350,7 @@ class TrainerSession:
         """Send a control message to one worker, held until its HELLO arrives (any
         thread)."""
         self._owned()
-        with self._ctrl_lock:
+        with held(), self._ctrl_lock:  # (Ctrl-C: not between a message's frames)
             if self._ctrl is None or self._ctrl.closed:
                 return  # closed: the iterator is ending
             self._deliver(worker_id, self.routes.encode(worker_id, kind, epoch, payload))
@@ -365,7 +366,7 @@ class TrainerSession:
         """Send the scheduler's ``SendTasks`` and ``Control`` messages, in order (the
         training thread, as its credits draw them)."""
         self._owned()
-        with self._ctrl_lock:
+        with held(), self._ctrl_lock:  # (Ctrl-C: not between a message's frames)
             if self._ctrl is None or self._ctrl.closed:
                 return  # closed: the iterator is ending
             for m in messages:
