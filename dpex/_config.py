@@ -47,6 +47,12 @@ class DpexConfig:
     loading the dataset and ``worker_init_fn``), alive and reporting progress, before it
     is presumed hung (a read that never returns) and replaced; None never (torch's
     loader waits for any batch). A worker that is computing is never presumed lost.
+    ``straggler_timeout``: seconds a worker may compute one map-style batch before the
+    batch is computed again on another worker with room (a *backup*: the first result
+    counts, the other is dropped; the slow worker is not killed, takes no new task
+    until it is done, and is replaced only past ``hung_batch_timeout``); ``"auto"``
+    derives it from the batch times seen (4 x the usual, at least 5 s); None never
+    backs up. An IterableDataset's batches have one owner (its shard): never.
     ``warm_worker_timeout``: seconds a worker process that reserves nothing is kept
     idle after its iterator ends, for this process's next iterator to start on (in
     milliseconds instead of seconds); 0 ends every worker with its iterator, as torch
@@ -74,6 +80,7 @@ class DpexConfig:
     worker_pool: str | None = None
     lost_batch_timeout: float | None = None
     hung_batch_timeout: float | None = 600.0
+    straggler_timeout: float | str | None = "auto"
     warm_worker_timeout: float = 60.0
     worker_seeding: str = "torch"
     encryption: bool | None = None
@@ -114,6 +121,12 @@ class DpexConfig:
                 or not self.hung_batch_timeout > 0):
             raise ValueError("hung_batch_timeout must be None (never) or a number of seconds "
                              f"> 0, got {self.hung_batch_timeout!r}")
+        if self.straggler_timeout is not None and self.straggler_timeout != "auto" and (
+                isinstance(self.straggler_timeout, bool)
+                or not isinstance(self.straggler_timeout, (int, float))
+                or not self.straggler_timeout > 0):
+            raise ValueError("straggler_timeout must be \"auto\" (derived), None (no backups) "
+                             f"or a number of seconds > 0, got {self.straggler_timeout!r}")
         if (isinstance(self.warm_worker_timeout, bool)
                 or not isinstance(self.warm_worker_timeout, (int, float))
                 or not self.warm_worker_timeout >= 0):

@@ -72,6 +72,7 @@ class LoaderStats(TypedDict, total=False):
     unroutable: int  # control messages held for a worker whose connection was lost
     rejected: dict[str, int]  # messages refused, by reason (mac, session, handshake, ...)
     dropped: dict[str, int]  # results not used, and recovery actions, by reason
+    backups: dict[str, int]  # stragglers' batches computed again: launched, won, wasted
     recoveries: list[dict[str, Any]]  # one per restart: worker, cause, reported_at, ready_at
     autoscale: dict[str, Any]  # num_workers=dpex.Autoscale(...): decisions and history
 
@@ -112,7 +113,9 @@ def stats_prometheus(source: Any) -> str:
             metric(name, kind, text, [("", stats[key])])
     for key, name, text in (("rejected", "dpex_rejected_total", "Messages refused, by reason."),
                             ("dropped", "dpex_dropped_total",
-                             "Results not used and recovery actions, by reason.")):
+                             "Results not used and recovery actions, by reason."),
+                            ("backups", "dpex_backups_total",
+                             "Stragglers' batches computed again: launched, won, wasted.")):
         metric(name, "counter", text, [(f'{{reason="{_label(r)}"}}', n)
                                        for r, n in sorted(stats.get(key, {}).items())])
     workers = sorted(stats.get("workers", {}).items())

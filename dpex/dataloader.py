@@ -159,6 +159,7 @@ class DpexDataLoader(DataLoader[T_co]):
         worker_pool: str | None = None,
         lost_batch_timeout: float | None = None,
         hung_batch_timeout: float | None = 600.0,
+        straggler_timeout: float | str | None = "auto",
         warm_worker_timeout: float = 60.0,
         worker_seeding: str = "torch",
         encryption: bool | None = None,

@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import struct
+import threading
 import time
 
 import numpy as np
@@ -722,3 +723,23 @@ class WhereHeldReopening(WhereHeld):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.unpickled_in = os.getpid()
+
+
+class BlockedFromSecondBatch(Dataset):
+    """Worker 1 blocks forever in its second ``__getitem__`` (a dead mount, a lock never
+    released); everything else is instant."""
+
+    def __init__(self, n: int = 20) -> None:
+        self.n = n
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        info = get_worker_info()
+        if info is not None and info.id == 1:
+            self.calls += 1
+            if self.calls == 2:
+                threading.Event().wait()  # forever
+        return torch.tensor([i])

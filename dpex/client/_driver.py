@@ -117,7 +117,7 @@ class EpochDriver:
             max_restarts=config.max_worker_restarts, lost_timeout=config.lost_batch_timeout,
             lost_floor=_LOST_FLOOR_ITERABLE_S if iterable else _LOST_FLOOR_S,
             first_batch_timeout=config.startup_timeout,  # (its loading counts)
-            hung_timeout=config.hung_batch_timeout)
+            hung_timeout=config.hung_batch_timeout, straggler_timeout=config.straggler_timeout)
         try:
             self.shipment = ship()  # (kept: replacements load the same bytes)
             runtime.open()

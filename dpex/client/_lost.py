@@ -46,6 +46,9 @@ from dpex.client._worker_table import WorkerTable
 __all__ = ["LossWatch"]
 
 FACTOR = 10.0
+# straggler_timeout="auto": a batch computed this many times the usual, at least the
+# floor, gets a backup on another worker (dpex.client._backups).
+STRAGGLER_FACTOR, STRAGGLER_FLOOR_S = 4.0, 5.0
 # A worker idle in its PROGRESS is past the tasks sent to it this much earlier (the
 # rest may still be on their way to it).
 IDLE_GRACE_S = 2.0
@@ -184,6 +187,24 @@ class LossWatch:
                 out.append((w, -1 if seq is None else seq, working))
         return out
 
+    def stragglers(self, busy: dict[int, Iterable[int]], setting: float | str | None
+                   ) -> list[tuple[int, int]]:
+        """Workers of ``busy`` whose PROGRESS shows one of the batches they hold computed
+        longer than the straggler limit (``setting``: seconds, ``"auto"`` or None, see
+        ``straggler_timeout``; a first batch, which loads the dataset, is not judged):
+        (worker, seq)."""
+        if setting is None:
+            return []
+        limit = float(setting) if setting != "auto" else max(
+            STRAGGLER_FLOOR_S, STRAGGLER_FACTOR * self._usual())
+        now, out = self.clock(), []
+        for w, seqs in busy.items():
+            seq, working_s, at = self._working.get(w, (IDLE, 0.0, now))
+            if (seq is not None and seq >= 0 and seq in seqs and w in self._past_first
+                    and w not in self._flagged and working_s + (now - at) > limit):
+                out.append((w, seq))
+        return out
+
     def hung(self) -> list[tuple[int, float]]:
         """Flagged workers silent for another limit since: replace them (with how long
         they have been silent). Each is named once. The lost-batch limit, also after a
@@ -212,6 +233,9 @@ class LossWatch:
     def limit(self) -> float | None:
         if self.timeout is not None:
             return self.timeout or None  # 0: never presume a batch lost
+        return max(self.floor, FACTOR * self._usual())
+
+    def _usual(self) -> float:
+        """The workers' usual time per batch: the 90th percentile of the recent ones."""
         times = sorted(self._batch_times)
-        usual = times[int(0.9 * len(times))] if times else 0.0
-        return max(self.floor, FACTOR * usual)
+        return times[int(0.9 * len(times))] if times else 0.0

@@ -37,6 +37,7 @@ def iterator_stats(d: Any, epoch_s: float, batch_latency: dict, wait: bool = Tru
         "dataset_fallbacks": d.shipment.fallbacks,
         **session,
         "dropped": dict(sched.counters),
+        "backups": sched.backups.stats(),
         "recoveries": [dict(r) for r in sched.recoveries.copy()],
         **({"autoscale": scaler.report(sched.num_workers)} if scaler is not None else {}),
     }

@@ -72,6 +72,7 @@ from dpex.client._actions import (
     StartWorker,
     StopWorker,
 )
+from dpex.client._backups import Backups
 from dpex.client._kills import MAX_HANGS_PER_BATCH, KillBudget, KillWorker
 from dpex.client._ledger import TaskLedger
 from dpex.client._lost import IDLE, LossWatch
@@ -91,6 +92,7 @@ class EpochScheduler:
                  iterable: bool = False, max_restarts: int = 3,
                  lost_timeout: float | None = None, lost_floor: float = 10.0,
                  first_batch_timeout: float | None = None, hung_timeout: float | None = None,
+                 straggler_timeout: float | str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if (window := prefetch_window(prefetch_factor, num_workers)) < 1:
             raise ValueError(f"credit window capacity must be >= 1, got {window}")
@@ -104,6 +106,8 @@ class EpochScheduler:
         self.losses = LossWatch(self.workers, lost_timeout, lost_floor, clock,
                                 first_limit=first_batch_timeout, hung_limit=hung_timeout)
         self.kill_budget = KillBudget()
+        self.straggler_timeout = None if iterable else straggler_timeout  # (one owner)
+        self.backups = Backups()
         self.counters: collections.Counter[str] = collections.Counter()
         self.recoveries: list[dict] = []  # one per restart: when reported, when ready
         self.epoch = 0
@@ -161,6 +165,7 @@ class EpochScheduler:
         self.buffer.reset()
         self.ledger.reset()
         self.losses.new_epoch()
+        self.backups.new_epoch()
         self.kill_budget.new_epoch()
         self.workers.new_epoch()
         self._turn = first_worker % len(self.workers)
@@ -316,6 +321,10 @@ class EpochScheduler:
 
     def _result(self, msg: Message) -> None:
         owner = self.ledger.worker_of(msg.seq)
+        sender = self.workers[msg.worker_id] if msg.worker_id < len(self.workers) else None
+        if sender is not None and sender.straggling == (msg.epoch, msg.seq) and (
+                msg.incarnation == sender.incarnation):
+            sender.straggling = None  # done with the batch it straggled on: tasks again
         if msg.worker_id < len(self.workers) and self.workers[msg.worker_id].suspended:
             self._heard(msg.worker_id, msg.incarnation)  # (late and stale ones too)
         if msg.epoch != self.epoch or owner is None:
@@ -331,6 +340,7 @@ class EpochScheduler:
         # same batch, and the first copy to arrive counts.)
         fresh = self.ledger.received(msg.seq)
         self.workers[msg.worker_id].batches += fresh
+        self.backups.arrived(msg.seq, msg.worker_id, fresh)
         now = msg.received_at if msg.received_at is not None else self.clock()
         # The worker's own time on the batch where it says (the header's took_us): the
         # trainer reads batches when the training loop asks, so ``now`` may be late.
@@ -375,6 +385,9 @@ class EpochScheduler:
         (or is IDLE, or LOADING) for ``working_s`` seconds, ``queued`` items waiting."""
         if worker_id >= len(self.workers) or not self._heard(worker_id, incarnation):
             return []
+        rec = self.workers[worker_id]
+        if rec.straggling is not None and rec.straggling != (epoch, seq):
+            rec.straggling = None  # done with the batch it straggled on: tasks again
         holds = [s for s, _ in self.ledger.outstanding(worker_id)] if self.ledger.pending(
             worker_id) else []
         if (epoch != self.epoch and seq >= 0) or (seq == IDLE and queued):
@@ -430,7 +443,7 @@ class EpochScheduler:
         result has not arrived (map-style: the survivors take them at once)."""
         rec = self.workers[w]
         rec.incarnation += 1
-        rec.info, rec.suspended, rec.killed = None, False, False
+        rec.info, rec.suspended, rec.killed, rec.straggling = None, False, False, None
         self._unqueue(w)  # they are among its outstanding tasks, re-routed below
         self.counters["restarted"] += 1
         self.losses.replaced(w)
@@ -545,7 +558,11 @@ class EpochScheduler:
         for w, tasks in lost.items():
             self.counters["lost"] += len(tasks)
             self._recompute(w, tasks, avoid=set(silent))
-        for w, seq, working in self.losses.overdue(busy):
+        for w, seq in self.losses.stragglers(busy, self.straggler_timeout):
+            self._back_up(w, seq)
+        computing = [*busy, *(r.id for r in self.workers.records
+                              if r.straggling and r.id not in busy)]
+        for w, seq, working in self.losses.overdue(computing):
             self._kill(KillWorker(w, "computing", seq, working))
         for w, silence in self.losses.hung():
             rec = self.workers[w]
@@ -554,6 +571,18 @@ class EpochScheduler:
             self._kill(KillWorker(w, "silent", None, silence))
         self._stop_drained()
         return self._actions()
+
+    def _back_up(self, w: int, seq: int) -> None:
+        """``w`` straggles on ``seq``: it and the tasks queued behind it go to the other
+        workers (:mod:`dpex.client._backups`) if one has room; ``w`` keeps computing."""
+        rec = self.workers[w]
+        if rec.killed or not any(r.id != w and r.ready and r.active and r.accepting
+                                 and r.pending < self.prefetch_factor
+                                 for r in self.workers.records):
+            return  # (tried again at the next check)
+        if self._hand_over(w, self.ledger.outstanding(w)):
+            rec.straggling = (self.epoch, seq)
+            self.backups.launched_for(seq, w)
 
     def _kill(self, kill: KillWorker) -> None:
         """dpex kills a worker (its exit comes back and it is replaced, apart from

@@ -82,6 +82,9 @@ class WorkerRecord:
     moves: int = 0
     suspended: bool = False  # silent past the lost-batch limit: no new task until it
     # is heard from; silent for another limit, it is replaced (it hangs)
+    # (epoch, seq) of the batch it computes past the straggler limit, which another
+    # worker computes too (a backup): no new task until it is done with it
+    straggling: tuple[int, int] | None = None
     kills: int = 0  # incarnations dpex killed (hung, or a shard's batch lost)
     killed: bool = False  # the current incarnation is being killed by dpex
     # Its tasks this epoch, as the task ledger counts them (dpex.client._ledger):
@@ -118,9 +121,9 @@ class WorkerRecord:
 
     @property
     def accepting(self) -> bool:
-        """One of the workers that new tasks may go to (not retiring, gone nor
-        suspended)."""
-        return not (self.retiring or self.gone or self.suspended)
+        """One of the workers that new tasks may go to (not retiring, gone, suspended
+        nor straggling)."""
+        return not (self.retiring or self.gone or self.suspended or self.straggling)
 
 
 class WorkerTable:
