@@ -101,6 +101,8 @@ def main() -> None:
                    help="AFTER:N: after AFTER batches of the first epoch, scale_workers(N)")
     p.add_argument("--step-s", type=float, default=0.0, help="the loop's time per batch")
     p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--no-backups", action="store_true",
+                   help="straggler_timeout=None: a slow batch is waited for, not backed up")
     p.add_argument("--slow-flag", default=None, help="--dataset slowstop's flag file")
     p.add_argument("--wait-file", default=None,
                    help="print WAITING after 2 batches and wait for this file to exist")
@@ -128,7 +130,7 @@ def main() -> None:
         return DpexDataLoader(dataset, generator=torch.Generator().manual_seed(7),
                               distribute_mode=True, head_address=args.address,
                               worker_pool=args.fleet, max_worker_restarts=args.max_restarts,
-                              **kw)
+                              **({"straggler_timeout": None} if args.no_backups else {}), **kw)
 
     loader = make()
     epoch_s, longest_wait = [], 0.0

@@ -232,13 +232,20 @@ class DpexWorker:
             await child.wait(session.stop)
         finally:  # also when cancelled: the trainer ended the session
             self._sessions.discard(session)
-            if child is not None:
-                await asyncio.shield(loop.run_in_executor(None, child.stop))
-                with self._lock:
-                    self._children.discard(child)
-                    for name, n in child.counters().items():
-                        self._counters[name] += n
-            self._bases.release(base)
-            if use is not None:
-                self._node.unuse(use)
+            # One shielded clean-up: a cancel that lands while the child stops (its
+            # trainer ended the session as the fleet drained it) must not skip the rest,
+            # or the child stays listed and this worker is never idle again.
+            await asyncio.shield(self._end_child(child, base, use))
         child.raise_outcome()
+
+    async def _end_child(self, child: SessionProcess | None, base: ForkBase | None,
+                         use: int | None) -> None:
+        if child is not None:
+            await asyncio.get_running_loop().run_in_executor(None, child.stop)
+            with self._lock:
+                self._children.discard(child)
+                for name, n in child.counters().items():
+                    self._counters[name] += n
+        self._bases.release(base)
+        if use is not None:
+            self._node.unuse(use)
