@@ -55,9 +55,10 @@ of epoch ``epoch``, for ``DpexDataLoader.state_dict()``; the worker answers
 ``PING_INTERVAL_S`` while the trainer lives; a worker whose session hears nothing
 for its session timeout ends that session, so a vanished trainer frees it), and
 ``PROGRESS`` (worker → trainer, every ``PROGRESS_INTERVAL_S``: ``seq`` is the batch
-its compute thread works on, ``IDLE`` or ``LOADING``, and ``payload`` how many seconds
-it has worked on it; a worker that computes is told from one that is wedged or lost
-a frame, see :mod:`dpex.client._lost`).
+its compute thread works on, ``IDLE`` or ``LOADING``, and ``payload`` (how many seconds
+it has worked on it, the items queued, the report's number in the session: the
+trainer takes each number once, in increasing order); a worker that computes is told
+from one that is wedged or lost a frame, see :mod:`dpex.client._lost`).
 
 This module frames and authenticates (:meth:`Wire.open`); it unpickles only
 in-band payloads (:meth:`Wire.decode`, the control plane). Opening never raises
@@ -94,7 +95,7 @@ __all__ = [
     "LOADING",
 ]
 
-PROTOCOL_VERSION = 9  # 8: PROGRESS; 9: took_us, batches as layouts (dpex._codec)
+PROTOCOL_VERSION = 10  # 8: PROGRESS; 9: took_us, batches as layouts (dpex._codec); 10: PROGRESS numbered
 _HEADER = struct.Struct("<BB16sIqHIIqI")
 HEADER_SIZE = _HEADER.size
 MAC_SIZE = 16

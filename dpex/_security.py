@@ -255,6 +255,23 @@ class _Quiet:
 _QUIET: Any = _Quiet()
 
 
+class ProgressFreshness:
+    """The trainer's side of numbered PROGRESS reports: per worker id, the incarnation
+    and the last number taken. A report is taken once, in increasing order, from the
+    current incarnation or a newer one (a replacement numbers from 0 again); a report
+    of an older incarnation is left to the scheduler, which drops it."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, int]] = {}  # worker id -> (incarnation, number)
+
+    def accept(self, worker_id: int, incarnation: int, number: int) -> bool:
+        last = self._last.get(worker_id)
+        if last is not None and (incarnation, number) <= last:
+            return False
+        self._last[worker_id] = (incarnation, number)
+        return True
+
+
 class ControlFreshness:
     """Accepts control messages of one worker incarnation only in increasing ``seq``
     order (gaps allowed: a message lost with a connection is not waited for)."""

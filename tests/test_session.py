@@ -101,6 +101,29 @@ async def test_garbage_and_foreign_messages_are_counted_and_dropped(session, fak
     assert session.counts.rejected == {"frame-count": 1, "session": 1, "mac": 1, "kind": 1}
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_replayed_progress_report_is_dropped_and_counted(session, fake_worker):
+    """Issue 48: a worker's PROGRESS reports are numbered, so one read off the wire
+    (the authenticated mode's frames are in clear) and sent again cannot make a worker
+    look busy or idle. A replacement (a newer incarnation) numbers from 0 again."""
+    import dataclasses
+
+    ctrl, _ = fake_worker
+    await ctrl.send_multipart(WIRE.encode(Kind.HELLO, worker_id=0, payload={"pid": 1}))
+    assert isinstance(await next_event(session.events), WorkerHello)
+    reports = [WIRE.encode(Kind.PROGRESS, 1, seq, 0, (0.5, 0, n))
+               for n, seq in enumerate((3, 4, 5))]
+    for frames in (reports[0], reports[1], reports[0], reports[1], reports[2]):
+        await ctrl.send_multipart(frames)
+    replacement = dataclasses.replace(WIRE, incarnation=1)
+    await ctrl.send_multipart(replacement.encode(Kind.PROGRESS, 1, 6, 0, (0.1, 0, 0)))
+    got = [await next_event(session.events) for _ in range(4)]
+    assert [(p.incarnation, p.seq) for p in got] == [(0, 3), (0, 4), (0, 5), (1, 6)]
+    await asyncio.sleep(0.2)
+    assert session.counts.rejected == {"replayed": 2}
+
+
 def test_loop_thread_starts_runs_and_stops_idempotently():
     lt = LoopThread("dpex-test-loop")
     lt.start()

@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 from dpex._addresses import AcceptSet, accept_set, port_range, raise_fd_limit, tcp_endpoint
 from dpex._multipart import recv_frames, send_frames
 from dpex._protocol import PING_INTERVAL_S, Kind, Message, Wire
-from dpex._security import AUTHENTICATED, Admission, SessionKeys, keep_alive
+from dpex._security import AUTHENTICATED, Admission, ProgressFreshness, SessionKeys, keep_alive
 from dpex._shm import RingRef, TrainerRing
 from dpex._transport import SOCKET, Receiver, RingTransport
 from dpex.client._events import Handoff, LoopFailure, RngReply, WorkerHello, WorkerProgress
@@ -100,6 +100,7 @@ class TrainerSession:
         self.rings: dict[int, TrainerRing] = {}
         self.receiver = Receiver(wire, [SOCKET, RingTransport(rings=self.rings)])
         self.routes = ControlRoutes(wire)
+        self._progress_fresh = ProgressFreshness()  # (loop thread: PROGRESS is read there)
         self.keys = SessionKeys.new(security)
         self._ctx: zmq.asyncio.Context | None = None
         self._admission: Admission | None = None
@@ -285,7 +286,10 @@ class TrainerSession:
             self.counts.rejected["kind"] += 1
             return
         if msg.kind is Kind.PROGRESS:
-            working_s, queued = msg.payload
+            working_s, queued, number = msg.payload
+            if not self._progress_fresh.accept(msg.worker_id, msg.incarnation, number):
+                self.counts.rejected["replayed"] += 1  # (read off the wire, sent again)
+                return
             self.handoff.put(WorkerProgress(msg.worker_id, msg.incarnation, msg.epoch, msg.seq,
                                             float(working_s), int(queued)))
             return

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import os
 import queue
 import threading
@@ -339,11 +340,15 @@ async def _send_progress(channel: ControlChannel, spec: WorkerSpec, session: Ses
     """Every PROGRESS_INTERVAL_S: what the compute thread works on, and for how long.
     Sent from this (control) thread, so a worker whose compute thread sleeps in
     ``__getitem__`` still shows it computes; a process that is stopped, or wedged
-    holding the GIL, falls silent (see :mod:`dpex.client._lost`)."""
-    while True:
+    holding the GIL, falls silent (see :mod:`dpex.client._lost`). Each report is
+    numbered (0, 1, 2, ... per session, in its MAC'd payload): the trainer takes each
+    number once, in increasing order, so a report read off the wire and sent again
+    cannot make a worker look busy or idle (``_security.ProgressFreshness``)."""
+    for number in itertools.count():
         await asyncio.sleep(PROGRESS_INTERVAL_S)
         epoch, seq, working = session.progress(time.monotonic(), inbox.qsize())
-        channel.send(spec.wire.encode(Kind.PROGRESS, epoch, seq, spec.worker_id, working))
+        channel.send(spec.wire.encode(Kind.PROGRESS, epoch, seq, spec.worker_id,
+                                      (*working, number)))
 
 
 def _with_incarnation(spec: WorkerSpec) -> WorkerSpec:
