@@ -79,11 +79,11 @@ class held:  # noqa: N801 - a context manager, named as the functions of context
         self.role = ""
 
     def __enter__(self) -> None:
-        if _STATE.depth and _main_thread():
+        if not _main_thread():
+            return
+        if _STATE.depth:
             self.role = "nested"
             _STATE.depth += 1
-            return
-        if _STATE.depth or not _main_thread():
             return
         current = _signal.getsignal(signal.SIGINT)
         if current is not _handler:
