@@ -7,9 +7,14 @@ gap between two batches the training loop saw, and whether the epoch matched
 torch's DataLoader exactly. ``--mode lose`` instead makes worker 1 lose one data
 message on the way (its socket drops it) in the middle of its tasks ("gap") and
 its last one ("silence"), and prints the longest gap and exactness of each.
+``--mode step`` runs one epoch per dataset style (map-style, IterableDataset) whose
+training loop takes a ``--step``-second step every ``--every`` batches (a validation
+loop, a checkpoint save) with default limits, and prints the workers replaced, the
+batches presumed lost and redone, and whether the epoch matched torch's.
 
     python scripts/fault_times.py --trials 5
     python scripts/fault_times.py --mode lose --trials 3
+    python scripts/fault_times.py --mode step --step 30 --every 10 --items 120
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 
 import ray
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from dpex import DpexDataLoader
 from dpex._ray_connect import connect_ray
@@ -39,6 +44,20 @@ class Items(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         time.sleep(self.delay)
         return torch.tensor([i, i * i])
+
+
+class Stream(IterableDataset):
+    """Items' values as a stream, sharded by worker as torch's docs advise."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+
+    def __iter__(self):
+        info = get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(first, self.n, step):
+            time.sleep(self.delay)
+            yield torch.tensor([i, i * i])
 
 
 def lose(worker_id: int, seq: int) -> None:
@@ -110,6 +129,37 @@ def trial(args) -> dict:
             "gap": max(gaps[args.kill_after:]), "exact": exact(got, expected)}
 
 
+def step_trial(args, style: str) -> dict:
+    """One epoch whose loop sleeps ``args.step`` s every ``args.every`` batches."""
+    dataset = (Items if style == "map-style" else Stream)(args.items, args.delay)
+    kw = {"batch_size": 4, "num_workers": args.workers}
+    expected = list(DataLoader(dataset, multiprocessing_context="forkserver", **kw))
+    it = iter(DpexDataLoader(dataset, distribute_mode=True, **kw))
+    got, started = [], time.monotonic()
+    for batch in it:
+        got.append(batch)
+        if len(got) % args.every == 0:
+            print(f"  {style}: batch {len(got)}/{len(expected)}, a {args.step:g} s step",
+                  flush=True)
+            time.sleep(args.step)
+    stats = it.stats()
+    dropped = stats["dropped"]
+    return {"style": style, "took": time.monotonic() - started,
+            "replaced": len(stats["recoveries"]), "lost": dropped.get("lost", 0),
+            "redone": dropped.get("handed_over", 0) + dropped.get("redispatched", 0),
+            "exact": exact(got, expected)}
+
+
+def main_step(args) -> None:
+    rows = [step_trial(args, style) for style in ("map-style", "IterableDataset")]
+    print(f"\n{args.step:g} s step every {args.every} batches, default limits:\n")
+    print("| dataset | epoch (s) | workers replaced | presumed lost | redone | exact |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['style']} | {r['took']:.0f} | {r['replaced']} | {r['lost']} | "
+              f"{r['redone']} | {r['exact']} |")
+
+
 def ms(values: list) -> str:
     vals = [v * 1000 for v in values if v is not None]
     if not vals:
@@ -141,12 +191,14 @@ def main() -> None:
     p.add_argument("--items", type=int, default=400)
     p.add_argument("--delay", type=float, default=0.005)
     p.add_argument("--kill-after", type=int, default=10)
-    p.add_argument("--mode", choices=["kill", "lose"], default="kill")
+    p.add_argument("--mode", choices=["kill", "lose", "step"], default="kill")
+    p.add_argument("--step", type=float, default=30.0, help="--mode step: seconds")
+    p.add_argument("--every", type=int, default=10, help="--mode step: batches")
     args = p.parse_args()
     connect_ray("auto")  # as a user's first loader does
-    if args.mode == "lose":
+    if args.mode in ("lose", "step"):
         try:
-            main_lose(args)
+            (main_lose if args.mode == "lose" else main_step)(args)
         finally:
             ray.shutdown()
         return

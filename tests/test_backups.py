@@ -109,10 +109,10 @@ def test_the_book_counts_the_first_copy_of_each_backed_up_batch():
     book = Backups()
     book.launched_for(5, worker_id=1)
     book.launched_for(9, worker_id=0)
-    book.arrived(5, 0, fresh=True)  # the backup first: won
-    book.arrived(5, 1, fresh=False)  # (the slow copy, dropped)
-    book.arrived(9, 0, fresh=True)  # the slow worker first: the backup was wasted
-    book.arrived(7, 1, fresh=True)  # (not backed up)
+    assert not book.arrived(5, 0, fresh=True)  # the backup first: won
+    assert not book.arrived(5, 1, fresh=False)  # (the slow copy, dropped)
+    assert book.arrived(9, 0, fresh=True)  # the slow worker first: the backup was wasted
+    assert not book.arrived(7, 1, fresh=True)  # (not backed up)
     assert book.stats() == {"launched": 2, "won": 1, "wasted": 1}
 
 
@@ -120,6 +120,56 @@ def test_the_book_counts_the_first_copy_of_each_backed_up_batch():
 def test_a_bad_straggler_timeout_is_refused_by_name(bad):
     with pytest.raises(ValueError, match="straggler_timeout"):
         DpexConfig(straggler_timeout=bad)
+
+
+# -- on the fake clock (tests/test_hung.py's Cluster): one item in 100 taking 25 s ---------
+
+SLOW_S, USUAL_S, BATCHES = 25.0, 0.05, 1000
+
+
+def one_in_100(first_attempt_only: bool):
+    """Every 100th batch takes 25 s: on its first attempt only (a straggler: a cold
+    cache, a node in trouble) or wherever it runs (the item itself is slow)."""
+    started: set[int] = set()
+
+    def took(w, inc, seq):
+        slow = seq % 100 == 99 and (seq not in started or not first_attempt_only)
+        started.add(seq)
+        return SLOW_S if slow else USUAL_S
+    return took
+
+
+def epoch(took, setting):
+    from test_hung import Cluster
+    c = Cluster(2, BATCHES, took, first_batch_timeout=120.0, straggler_timeout=setting)
+    got, elapsed = c.run()
+    assert got == [[i] for i in range(BATCHES)] and c.fatal is None
+    assert c.kills == [] and c.s.counters["replaced_hung"] == 0, (c.kills, c.s.counters)
+    return elapsed, c.s.backups.stats()
+
+
+def test_a_straggler_one_batch_in_100_slow_on_its_first_attempt_costs_what_its_worker_does():
+    """The slow attempt is not killed, so it holds its worker for 25 s: the floor on the
+    epoch is every attempt's time over the two workers. With backups (the default
+    limit) the epoch is within 10 % of that floor; without, each straggler holds it."""
+    slow = BATCHES // 100
+    floor = ((BATCHES - slow) * USUAL_S + slow * (SLOW_S + USUAL_S)) / 2
+    elapsed, backups = epoch(one_in_100(first_attempt_only=True), "auto")
+    assert backups == {"launched": slow, "won": slow, "wasted": 0}
+    assert elapsed <= 1.10 * floor, (elapsed, floor)
+    without, _ = epoch(one_in_100(first_attempt_only=True), None)
+    assert without > slow * SLOW_S > 1.5 * elapsed, (without, elapsed)
+
+
+def test_an_item_slow_wherever_it_runs_its_wasted_backups_cost_under_10_percent():
+    """A backup of an item that is slow everywhere is wasted: its worker computes a copy
+    nobody needs. The tasks queued behind that copy go to the others and it takes none
+    until done, so a wasted backup costs one worker's time on one batch, not the
+    batches queued behind it (before: 16 % slower than without backups)."""
+    elapsed, backups = epoch(one_in_100(first_attempt_only=False), "auto")
+    assert backups == {"launched": BATCHES // 100, "won": 0, "wasted": BATCHES // 100}
+    without, _ = epoch(one_in_100(first_attempt_only=False), None)
+    assert elapsed <= 1.10 * without, (elapsed, without)
 
 
 # -- with Ray: the issue's case -----------------------------------------------------------

@@ -9,7 +9,10 @@ other is dropped as a duplicate. The slow worker is not killed for it: it keeps 
 process, takes no new task until it is done with that batch (``WorkerRecord.
 straggling``), and is replaced only past ``hung_batch_timeout``, as before. The tasks
 queued behind the slow batch on that worker go to the others with it (they would wait
-as long).
+as long). The same holds the other way: when the slow worker's copy comes first, the
+tasks queued behind the backup's now useless copy go to the others, and the backup's
+worker takes none until it is done with that copy; a wasted backup then costs one
+worker's time on one batch, not the batches queued behind it.
 
 This book counts them for ``stats()["backups"]``: ``launched`` (batches given a
 backup), ``won`` (the backup's copy came first), ``wasted`` (the slow worker's came
@@ -34,18 +37,21 @@ class Backups:
         self._slow[seq] = worker_id
         self.launched += 1
 
-    def arrived(self, seq: int, worker_id: int, fresh: bool) -> None:
-        """A result of ``seq`` from ``worker_id`` (``fresh``: the first copy to arrive)."""
+    def arrived(self, seq: int, worker_id: int, fresh: bool) -> bool:
+        """A result of ``seq`` from ``worker_id`` (``fresh``: the first copy to arrive).
+        True when it makes the backup wasted: the backup's worker computes a copy nobody
+        needs any more."""
         slow = self._slow.get(seq)
         if slow is None:
-            return
-        if fresh:
-            if worker_id == slow:
-                self.wasted += 1
-            else:
-                self.won += 1
-        else:
+            return False
+        if not fresh:
             del self._slow[seq]  # (the second copy: nothing more to count)
+            return False
+        if worker_id == slow:
+            self.wasted += 1
+            return True
+        self.won += 1
+        return False
 
     def stats(self) -> dict[str, int]:
         return {"launched": self.launched, "won": self.won, "wasted": self.wasted}

@@ -80,6 +80,10 @@ class LossWatch:
         self._order[seq] = (next(self._sends), self.clock())
         self._passed.pop(seq, None)
 
+    def sent_after(self, seq: int, than: int) -> bool:
+        """``seq`` was last sent after ``than`` was (both still untaken)."""
+        return self._order.get(seq, (-1, 0.0))[0] > self._order.get(than, (-1, 0.0))[0]
+
     def forget(self, seq: int) -> None:
         """``seq`` was taken: nothing can overtake it any more."""
         self._order.pop(seq, None)

@@ -340,7 +340,8 @@ class EpochScheduler:
         # same batch, and the first copy to arrive counts.)
         fresh = self.ledger.received(msg.seq)
         self.workers[msg.worker_id].batches += fresh
-        self.backups.arrived(msg.seq, msg.worker_id, fresh)
+        if self.backups.arrived(msg.seq, msg.worker_id, fresh):
+            self._backup_wasted(owner, msg.seq)
         now = msg.received_at if msg.received_at is not None else self.clock()
         # The worker's own time on the batch where it says (the header's took_us): the
         # trainer reads batches when the training loop asks, so ``now`` may be late.
@@ -583,6 +584,15 @@ class EpochScheduler:
         if self._hand_over(w, self.ledger.outstanding(w)):
             rec.straggling = (self.epoch, seq)
             self.backups.launched_for(seq, w)
+
+    def _backup_wasted(self, v: int, seq: int) -> None:
+        """The slow worker's copy of ``seq`` came first: ``v`` computes a useless backup;
+        the tasks queued behind it there go to the others, and ``v`` takes no new task
+        until it is done with that copy (as a straggler)."""
+        rec = self.workers[v]
+        behind = [t for t in self.ledger.outstanding(v) if self.losses.sent_after(t[0], seq)]
+        if not rec.killed and rec.straggling is None and self._hand_over(v, behind):
+            rec.straggling = (self.epoch, seq)
 
     def _kill(self, kill: KillWorker) -> None:
         """dpex kills a worker (its exit comes back and it is replaced, apart from
