@@ -51,6 +51,9 @@ class AppliedMarks:
         if epoch <= self.epoch:
             return False  # a repeat (or older): applied already
         self.epoch = epoch
+        # A SKIP of this epoch that came before it (its RESUME lost) passed over the
+        # shard this RESUME replaces: it is applied again after it.
+        self._skips = {mark for mark in self._skips if mark[0] != epoch}
         return True
 
     def skip(self, epoch: int, n: int) -> bool:

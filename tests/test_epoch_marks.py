@@ -36,6 +36,16 @@ def test_the_worker_applies_each_mark_once_however_it_came():
     assert marks.repaired == 2 and marks.repair(None) == []
 
 
+def test_a_skip_that_came_before_its_lost_resume_is_applied_again_after_it():
+    """RESUME(2) lost, SKIP(2) came: it passed over the previous epoch's shard, which
+    the repaired RESUME then replaces; the shard of epoch 2 must be passed over too."""
+    marks = AppliedMarks()
+    assert marks.skip(2, 5)  # (applied to the shard the worker had: epoch 1's)
+    assert marks.repair({"resume": (2, "s"), "skip": (2, 5)}) == [("resume", "s", 2),
+                                                                  ("skip", 5, 2)]
+    assert marks.repair({"resume": (2, "s"), "skip": (2, 5)}) == []  # (once)
+
+
 @pytest.mark.asyncio
 async def test_a_lost_resume_and_skip_are_applied_before_the_tasks_that_need_them():
     """Before: a TASKS message carried tasks only; with the RESUME and SKIP lost (a
