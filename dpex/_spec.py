@@ -18,7 +18,7 @@ from dpex._security import ClientKeys
 from dpex._shipfile import ShipmentRef, ShipmentUnavailable, map_shipment
 from dpex._shm import RingRef
 
-__all__ = ["PRELOADED", "Parcel", "PickledLoader", "Positioned", "ShippedLoader", "WorkerSpec", "own_state",
+__all__ = ["DATASET_ITER_STATE", "DATASET_STATE", "FINISH_EPOCH", "restores_dataset", "PRELOADED", "Parcel", "PickledLoader", "Positioned", "ShippedLoader", "WorkerSpec", "own_state",
            "stateful_dataset"]
 
 
@@ -176,6 +176,20 @@ class PickledLoader(bytearray):
     def __reduce_ex__(self, protocol: int) -> tuple:
         data = pickle.PickleBuffer(self) if protocol >= 5 else bytes(self)
         return _loader_bytes, (data, self.refs)
+
+
+# A resumed worker's saved state (``WorkerSpec.rng_state``) holds its RNG states and,
+# for a stateful IterableDataset, the dataset's own states under these keys
+# (torchdata's split: the dataset's, loaded before ``iter()``, and its iterator's,
+# after); FINISH_EPOCH marks a state taken between epochs (the worker runs what was
+# left of that epoch, nothing but its end, first).
+DATASET_STATE, DATASET_ITER_STATE, FINISH_EPOCH = "dataset", "dataset_iter", "finish_epoch"
+
+
+def restores_dataset(saved: dict | None) -> bool:
+    """Whether a worker resuming from ``saved`` restores its dataset's own state (so
+    it does not pass over the batches it delivered before: the state put it there)."""
+    return bool(saved) and (DATASET_STATE in saved or DATASET_ITER_STATE in saved)
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from dpex.client.resume import (
     IndexView,
     IteratorSlot,
     LoaderView,
-    ResumePlan,
+    ResumeState,
     Saving,
     capture,
     in_trainer,
+    loaded,
     mid_epoch_state,
-    plan_from,
     position_of,
     replaying,
     starting,
@@ -210,7 +210,7 @@ class DpexDataLoader(DataLoader[T_co]):
         self._final_stats: dict = {}  # what the newest one to shut down reported last
         # What load_state_dict() loaded and no iterator has taken yet (travels with the
         # configuration: a spawned rank resumes from it).
-        self.__dict__.setdefault("_resume_plan", None)
+        self.__dict__.setdefault("_resume", None)
 
     def __getstate__(self) -> dict:
         """The configuration only (for ``mp.spawn``, Lightning's ``ddp_spawn``): live
@@ -327,7 +327,7 @@ class DpexDataLoader(DataLoader[T_co]):
         # the autoscaler); torch's iterators draw at most their fixed window ahead.
         keep = None if self._distributed else prefetch_window(
             self.prefetch_factor or 0, self.num_workers) + _TORCH_WINDOW_MARGIN
-        return IndexView(self._torch_index_sampler, self._resume_plan, keep)
+        return IndexView(self._torch_index_sampler, self._resume, keep)
 
     @property
     def _torch_index_sampler(self) -> Any:
@@ -349,16 +349,16 @@ class DpexDataLoader(DataLoader[T_co]):
         self.__dict__["generator"] = generator  # (DataLoader refuses setting it later)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
-        plan: ResumePlan | None = self._resume_plan
-        if plan is None:
+        resume: ResumeState | None = self._resume
+        if resume is None:
             # The current iterator never drew (its first next() was refused): this one
             # resumes in its place.
-            plan = self._resume_plan = self._slot.unstarted_plan()
-        iterator_rng = starting(plan, self.generator)
+            resume = self._resume = self._slot.unstarted()
+        iterator_rng = starting(resume, self.generator)
         view = self._resume_view()
-        with replaying(view, plan, self._set_generator):
-            iterator = self._make_iterator(view)  # (if this fails, the plan stays for the next try)
-        self._resume_plan = None  # the new iterator's epoch holds it until it draws
+        with replaying(view, resume, self._set_generator):
+            iterator = self._make_iterator(view)  # (if this fails, the state stays for the next try)
+        self._resume = None  # the new iterator's epoch holds it until it draws
         self._slot.hold(iterator, iterator_rng, strong=self.num_workers == 0)
         if self._distributed:
             self._live.add(iterator)
@@ -367,7 +367,7 @@ class DpexDataLoader(DataLoader[T_co]):
     def _make_iterator(self, view: LoaderView) -> _BaseDataLoaderIter:
         if not self._distributed:
             if self.num_workers == 0:
-                return in_trainer(view, self._resume_plan, super()._get_iterator)
+                return in_trainer(view, self._resume, super()._get_iterator)
             return super()._get_iterator()
         from dpex.client._iterator import RayDataLoaderIter
         from dpex.server._actor import DpexWorker
@@ -392,7 +392,7 @@ class DpexDataLoader(DataLoader[T_co]):
         position = self._slot.position()
         if position is None and self._slot.kept is not None:
             return Saving(self._slot.kept)  # its iterator ended mid-epoch (_keep_position)
-        return capture(self._resume_view(), position, self._resume_plan)
+        return capture(self._resume_view(), position, self._resume)
 
     def _keep_position(self, iterator: Any, ask_workers: bool, limit: float | None = None
                        ) -> None:
@@ -414,7 +414,7 @@ class DpexDataLoader(DataLoader[T_co]):
         generator, worker count of an IterableDataset) or dpex version, naming what
         differs, and :class:`~dpex.UnsupportedError` for one this loader cannot
         resume. A dataset's own ``state_dict()`` is loaded in torchdata's order."""
-        plan = plan_from(self._resume_view(), state_dict)
+        resume = loaded(self._resume_view(), state_dict)
         # An iterator still alive stands elsewhere: state_dict() now describes what was
         # loaded, until the next iterator moves.
         self._slot.empty()
@@ -423,7 +423,7 @@ class DpexDataLoader(DataLoader[T_co]):
             self._iterator = None
             if hasattr(persistent, "_shutdown_workers"):
                 persistent._shutdown_workers()
-        self._resume_plan = plan
+        self._resume = resume
 
     def scale_workers(self, n: int) -> None:
         """Run ``n`` workers from now on: the live iterator adds or retires workers at

@@ -7,15 +7,18 @@ import torch
 
 import dpex
 from dpex.client._launch import RNG_MARGIN, plan_launch
-from dpex.client.resume import ResumePlan
+from dpex.client.resume import ResumeState
 
 RNG = torch.zeros(1)
 
 
-def resume(skip=5, armed=True, worker_rng=None, rng_workers=0, iterable=None, epochs_before=0):
-    return ResumePlan(skip=skip, sampler_rng=RNG, draw_rng=None, iterator_rng=RNG,
-                      armed=armed, worker_rng=worker_rng, worker_rng_num_workers=rng_workers,
-                      iterable=iterable, epochs_before=epochs_before)
+def resume(skip=5, mid_epoch=True, worker_rng=None, rng_workers=0, iterable=None,
+           epochs_before=0):
+    return ResumeState(rng_source="generator", base_rng_source="generator", num_workers=2,
+                       rank=0, world_size=1, identity=None, length=None, sampler_epoch=None,
+                       yielded=skip, sampler_rng=RNG, iterator_rng=RNG, mid_epoch=mid_epoch,
+                       worker_rng=worker_rng, worker_rng_num_workers=rng_workers,
+                       iterable=iterable, epochs_before=epochs_before)
 
 
 def plan(num_workers=2, scaled_to=None, prefetch_factor=2, iterable=False,
@@ -49,7 +52,7 @@ def test_a_policy_over_an_iterable_dataset_is_refused_by_name():
 @pytest.mark.parametrize("state,num_workers,first", [
     (None, 3, 0),
     (resume(skip=7), 3, 1),  # batch 7 of the epoch: worker 7 % 3
-    (resume(skip=7, armed=False), 3, 0),  # taken by an earlier epoch already
+    (resume(skip=7, mid_epoch=False), 3, 0),  # between epochs: no position
     (resume(skip=7, iterable={"next_worker": 2}), 4, 2),  # the next shard's worker
 ])
 def test_the_worker_of_the_first_batch(state, num_workers, first):
@@ -79,7 +82,7 @@ def test_which_rng_states_workers_keep(iterable, seeding, keep):
 @pytest.mark.parametrize("state,seeds", [
     (None, (0, 0)),
     (resume(skip=5, epochs_before=2), (2, 5)),  # resumed mid-epoch: batch 5 of epoch 2
-    (resume(skip=5, armed=False, epochs_before=3), (3, 0)),  # at an epoch boundary
+    (resume(skip=5, mid_epoch=False, epochs_before=3), (3, 0)),  # at an epoch boundary
 ])
 def test_per_batch_seeds_start_where_the_saved_run_stood(state, seeds):
     got = plan(2, worker_seeding="per_batch", resume=state)

@@ -217,7 +217,7 @@ def test_a_mid_epoch_iterable_state_resumes_only_where_its_position_means_someth
 
 def test_another_ranks_state_keeps_the_order_but_not_its_workers_rng_states():
     # (Lightning under DDP saves rank 0's loader state and every rank loads it.)
-    from dpex.client.resume import plan_from
+    from dpex.client.resume import loaded
 
     make = CONFIGS["shuffle+generator"]
     loader = make(DpexDataLoader)
@@ -225,9 +225,9 @@ def test_another_ranks_state_keeps_the_order_but_not_its_workers_rng_states():
     next(it)
     state = {**loader.state_dict(), "worker_rng": {0: {"torch": torch.get_rng_state()}},
              "worker_rng_num_workers": 0}
-    assert plan_from(make(DpexDataLoader)._resume_view(), state).worker_rng == state["worker_rng"]
-    other = plan_from(make(DpexDataLoader)._resume_view(), {**state, "rank": 1})
-    assert other.worker_rng is None and other.skip == 1
+    assert loaded(make(DpexDataLoader)._resume_view(), state).worker_rng == state["worker_rng"]
+    other = loaded(make(DpexDataLoader)._resume_view(), {**state, "rank": 1})
+    assert other.worker_rng is None and other.yielded == 1
 
 
 def test_a_drawings_sampler_states_go_as_their_batches_are_yielded():

@@ -270,3 +270,25 @@ def test_with_four_workers_a_state_right_after_load_state_dict_is_the_loaded_one
     rest = list(loader)  # the next iterator moves from the loaded position
     assert len(rest) == 7
     loader.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 4])
+def test_a_state_taken_before_any_iter_loaded_after_batches_is_given_back_as_loaded(
+        request, num_workers):
+    """Issue 49's contract case, beside StatefulDataLoader on the same script: shuffled
+    from torch's global RNG (no generator), ``state0`` taken before any ``iter()``; a
+    second loader takes 3 batches (which moves the global RNG), then loads ``state0``:
+    its ``state_dict()`` is ``state0`` (it said the sampler's RNG as it was then)."""
+    if num_workers:
+        request.getfixturevalue("ray_session")
+    for cls in (torchdata.StatefulDataLoader, DpexDataLoader):
+        torch.manual_seed(0)
+        state0 = round_trip(make(cls, "map-shuffled-global-rng", num_workers, False).state_dict())
+        loader = make(cls, "map-shuffled-global-rng", num_workers, False)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        loader.load_state_dict(state0)
+        assert_same(state0, round_trip(loader.state_dict()), cls.__name__)
+        del it
+        close(loader)

@@ -20,7 +20,7 @@ from dpex.client.resume import (
     IteratorSlot,
     ResumeState,
     capture,
-    plan_from,
+    loaded,
     position_of,
 )
 from dpex.server._rng import RngRecorder
@@ -90,8 +90,8 @@ def test_a_mid_epoch_state_with_dpex_workers_is_json_and_resumes_from_the_json_c
         assert back["random"] == rng["random"] and type(back["random"][1]) is tuple
         assert torch.equal(back["numpy"][1], rng["numpy"][1]) and back["dataset"] == {"pos": w}
         random.setstate(back["random"])  # restore_rng's own calls take them
-    plan = plan_from(DataLoaderLike(shuffle=shuffle, generator=generator)._resume_view(), copy)
-    assert plan.skip == 3 and plan.worker_rng_fits(2) and sorted(plan.worker_rng) == [0, 1]
+    back = loaded(DataLoaderLike(shuffle=shuffle, generator=generator)._resume_view(), copy)
+    assert back.yielded == 3 and back.worker_rng_fits(2) and sorted(back.worker_rng) == [0, 1]
 
 
 class JsonRng(resumable.MapGlobalRng):

@@ -25,7 +25,7 @@ from dpex._config import DpexConfig
 from dpex._protocol import Kind
 from dpex._ray_connect import connect_ray
 from dpex._reaper import finalizer_for
-from dpex._spec import ShippedLoader, stateful_dataset
+from dpex._spec import ShippedLoader, restores_dataset, stateful_dataset
 from dpex._stats import Latencies, LoaderStats
 from dpex.client._driver import EpochDriver, Seeds
 from dpex.client._events import Handoff
@@ -71,7 +71,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             num_workers=loader.num_workers, scaled_to=loader.__dict__.get("_autoscale_workers"),
             prefetch_factor=loader.prefetch_factor,
             iterable=self._dataset_kind == _DatasetKind.Iterable,
-            worker_seeding=config.worker_seeding, resume=loader.__dict__.get("_resume_plan"),
+            worker_seeding=config.worker_seeding, resume=self._index_sampler.resume,
             base_seed=self._base_seed, sampler_seed=distributed_seed(self._index_sampler))
         self._launch = plan
         self._num_workers = plan.num_workers
@@ -121,7 +121,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         # A worker passes over what it delivered, unless it resumes its dataset's own state.
         specs = self._driver.specs
         skips = {w: n for w, n in self._taken.count.items()
-                 if not {"dataset", "dataset_iter"} & set(specs[w].rng_state or {})}
+                 if not restores_dataset(specs[w].rng_state)}
         start = functools.partial(self._driver.start_epoch, self._next_index,
                                   shared_seed=self._shared_seed, first_worker=first_worker,
                                   ended=frozenset(self._taken.ended), skips=skips)
@@ -130,7 +130,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         # framework sets the sampler's epoch after iter() (Lightning's fit loop on a
         # restart), and the saved position belongs to that epoch.
         self._deferred_start = None
-        if first_iter and isinstance(drawing, Drawing) and drawing.plan is not None:
+        if first_iter and isinstance(drawing, Drawing) and drawing.resume is not None:
             self._deferred_start = start
         else:
             start()

@@ -15,7 +15,7 @@ from typing import Any
 
 from dpex._autoscale import Autoscale
 from dpex._config import prefetch_window
-from dpex.client.resume import ResumePlan
+from dpex.client.resume import ResumeState
 
 __all__ = ["LaunchPlan", "plan_launch", "RNG_MARGIN"]
 
@@ -51,7 +51,7 @@ class LaunchPlan:
 
 
 def plan_launch(*, num_workers: int, scaled_to: int | None, prefetch_factor: int,
-                iterable: bool, worker_seeding: str, resume: ResumePlan | None,
+                iterable: bool, worker_seeding: str, resume: ResumeState | None,
                 base_seed: int = 0, sampler_seed: int | None = None) -> LaunchPlan:
     """Decide an iterator's start.
 
@@ -85,9 +85,9 @@ def plan_launch(*, num_workers: int, scaled_to: int | None, prefetch_factor: int
         count = scaled_to
     else:
         count = int(num_workers)
-    armed = resume is not None and resume.armed
-    first_worker = resume.skip % count if armed else 0
-    shards = resume.iterable if armed else None
+    mid_epoch = resume is not None and resume.mid_epoch
+    first_worker = resume.yielded % count if mid_epoch else 0
+    shards = resume.iterable if mid_epoch else None
     if shards is not None:
         first_worker = shards["next_worker"]
     per_batch = worker_seeding == "per_batch"
@@ -99,7 +99,7 @@ def plan_launch(*, num_workers: int, scaled_to: int | None, prefetch_factor: int
     return LaunchPlan(
         num_workers=count, autoscale=policy, first_worker=first_worker, shards=shards,
         epochs_before=epochs_before,
-        batch_seeds=(epochs_before, resume.skip if armed else 0) if per_batch else None,
+        batch_seeds=(epochs_before, resume.yielded if mid_epoch else 0) if per_batch else None,
         rng_keep=prefetch_window(prefetch_factor, count) + RNG_MARGIN if keep_rng else 0,
         worker_rng=dict(worker_rng or {}),
         sample_seed=(sampler_seed if sampler_seed is not None else base_seed)

@@ -23,6 +23,9 @@ from dpex._process_state import TrainerState
 from dpex._protocol import Kind, ProtocolError
 from dpex._shm import WorkerRing, collating_into
 from dpex._spec import (
+    DATASET_ITER_STATE,
+    DATASET_STATE,
+    FINISH_EPOCH,
     Parcel,
     Positioned,
     ShippedLoader,
@@ -196,17 +199,17 @@ class TaskRunner:
             saved = spec.rng_state or {}
             if spec.rng_state is not None:  # resumed: where the saved run's worker stood
                 restore_rng(spec.rng_state)
-                if "dataset" in saved:  # a stateful dataset's own state: before iter()
-                    self.dataset.load_state_dict(saved["dataset"])
-                if saved.get("finish_epoch"):  # a state between epochs: the old one's end
-                    self._finish_saved_epoch(saved.get("dataset_iter"))
+                if DATASET_STATE in saved:  # a stateful dataset's own state: before iter()
+                    self.dataset.load_state_dict(saved[DATASET_STATE])
+                if saved.get(FINISH_EPOCH):  # a state between epochs: the old one's end
+                    self._finish_saved_epoch(saved.get(DATASET_ITER_STATE))
             # The state when the epoch began (seq -1), before iter(dataset) draws: an
             # IterableDataset's position mid-epoch is that, and the batches delivered since.
             self._mark_epoch_start(1)
             self.fetcher = self._new_fetcher()
-            if "dataset_iter" in saved and not saved.get("finish_epoch"):
+            if DATASET_ITER_STATE in saved and not saved.get(FINISH_EPOCH):
                 # its iterator's own state: after iter() (torchdata's order)
-                self.fetcher.dataset_iter.load_state_dict(saved["dataset_iter"])
+                self.fetcher.dataset_iter.load_state_dict(saved[DATASET_ITER_STATE])
         except Exception:
             self.init_error = ExceptionWrapper(where=self._where())
 
@@ -303,9 +306,9 @@ class TaskRunner:
         if self.loader.dataset_kind != _DatasetKind.Iterable:
             return state
         dataset_iter = getattr(self.fetcher, "dataset_iter", None) if not epoch_start else None
-        for key, obj in (("dataset", self.dataset), ("dataset_iter", dataset_iter)):
+        for key, obj in ((DATASET_STATE, self.dataset), (DATASET_ITER_STATE, dataset_iter)):
             if obj is None or not stateful_dataset(obj) or (
-                    key == "dataset" and dataset_iter is self.dataset):
+                    key == DATASET_STATE and dataset_iter is self.dataset):
                 continue
             try:
                 state[key] = own_state(obj)

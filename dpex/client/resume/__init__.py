@@ -13,16 +13,17 @@ drawn from. The pieces:
   stands, and the adapter that reads it off torch's iterators.
 - ``_slot``: :class:`IteratorSlot`, the loader's one slot for its current iterator.
 - ``_save``: :func:`capture`, the state of a position (pure).
-- ``_load``: :func:`plan_from`, a state checked and turned into a :class:`ResumePlan`.
-- ``_replay``: each epoch's draws (:class:`Drawing`) and how a plan replays them.
+- ``_load``: :func:`loaded`, a state checked against the loader and kept for its next
+  iterator.
+- ``_replay``: each epoch's draws (:class:`Drawing`) and how a loaded state replays them.
 - ``_reshard``: an epoch of torch's DistributedSampler on another number of ranks.
 - ``_identity``: what a position depends on, compared on loading.
 - ``_trainer``: ``num_workers=0``, where the dataset runs in the trainer.
 """
 
-from dpex.client.resume._load import plan_from, replaying, starting
+from dpex.client.resume._load import loaded, replaying, starting
 from dpex.client.resume._position import IteratorPosition, position_of
-from dpex.client.resume._replay import Drawing, IndexView, ResumePlan, distributed_seed
+from dpex.client.resume._replay import Drawing, IndexView, distributed_seed
 from dpex.client.resume._save import Saving, capture, mid_epoch_state
 from dpex.client.resume._slot import IteratorSlot
 from dpex.client.resume._state import STATE_VERSION, ResumeState
@@ -30,6 +31,6 @@ from dpex.client.resume._trainer import in_trainer
 from dpex.client.resume._view import LoaderView
 
 __all__ = ["STATE_VERSION", "Drawing", "IndexView", "IteratorPosition", "IteratorSlot",
-           "LoaderView", "ResumePlan", "ResumeState", "Saving", "capture",
-           "distributed_seed", "in_trainer", "mid_epoch_state", "plan_from", "position_of",
+           "LoaderView", "ResumeState", "Saving", "capture",
+           "distributed_seed", "in_trainer", "loaded", "mid_epoch_state", "position_of",
            "replaying", "starting"]

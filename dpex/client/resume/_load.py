@@ -1,11 +1,12 @@
-"""Loading: ``load_state_dict()`` checks a saved state against the loader and turns it
-into the :class:`~dpex.client.resume._replay.ResumePlan` its next iterator replays;
-:func:`replaying` and :func:`starting` put the generators where the saved run had
-them when that iterator is made."""
+"""Loading: ``load_state_dict()`` checks a saved state against the loader and keeps it
+(:func:`loaded`) for its next iterator, which replays it, as torchdata's
+``next_iter_state``; :func:`replaying` and :func:`starting` put the generators where
+the saved run had them when that iterator is made."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,19 +15,14 @@ import torch
 from torch.utils.data import IterDataPipe
 
 from dpex.client.resume._identity import check_identity, identity
-from dpex.client.resume._replay import (
-    ResumePlan,
-    distributed_layout,
-    sampler_generator,
-    stateful,
-)
+from dpex.client.resume._replay import distributed_layout, sampler_generator, stateful
 from dpex.client.resume._reshard import Layout
 from dpex.client.resume._save import ranks, source
 from dpex.client.resume._state import ResumeState
 from dpex.client.resume._view import LoaderView
 from dpex.errors import ResumeStateError, UnsupportedError
 
-__all__ = ["plan_from", "replaying", "starting"]
+__all__ = ["loaded", "replaying", "starting"]
 
 logger = logging.getLogger("dpex")
 
@@ -110,28 +106,22 @@ def _set_generators(view: LoaderView, state: ResumeState) -> None:
         own.load_state_dict(state.sampler_state)
 
 
-def plan_from(view: LoaderView, plain: Any) -> ResumePlan | None:
+def loaded(view: LoaderView, plain: Any) -> ResumeState | None:
     """Check ``plain`` (what ``state_dict()`` returned) against the loader; apply what
-    takes effect at once (at an epoch boundary, the generators' states); return what
-    the next iterator replays (None: nothing)."""
+    takes effect at once (at an epoch boundary, the generators' states); return the
+    state the next iterator takes (None: nothing left to replay): the saved one, with
+    the workers' RNG states only where they belong to this rank's batches, torch's
+    global RNG only between epochs, and (another rank count) the rest of the epoch."""
     state = ResumeState.from_dict(plain)
     rest, reshard = _rest_of_epoch(view, state)
     _check_fits(view, state, reshard)
     _check_shards(view, state)
-    worker_rng = _worker_rng(state, rest)
     if not state.mid_epoch:
         _set_generators(view, state)
         if state.iterator_rng is None and state.dataset is None and state.global_rng is None:
             return None
-    return ResumePlan(skip=state.yielded, sampler_rng=state.sampler_rng,
-                      draw_rng=state.sampler_draw_rng, iterator_rng=state.iterator_rng,
-                      sampler_state=state.sampler_state, armed=state.mid_epoch,
-                      drawn=state.drawn, worker_rng=worker_rng,
-                      worker_rng_num_workers=state.worker_rng_num_workers,
-                      iterable=state.iterable, epochs_before=state.epochs_before,
-                      dataset_state=state.dataset, dataset_iter_state=state.dataset_iter,
-                      global_rng=None if state.mid_epoch else state.global_rng,
-                      sampler_epoch=state.sampler_epoch, rest=rest)
+    return dataclasses.replace(state, worker_rng=_worker_rng(state, rest), rest=rest,
+                               global_rng=None if state.mid_epoch else state.global_rng)
 
 
 def _rest_of_epoch(view: LoaderView, state: ResumeState) -> tuple[Layout | None, bool]:
@@ -163,37 +153,37 @@ def _rest_of_epoch(view: LoaderView, state: ResumeState) -> tuple[Layout | None,
     return saved.rest(state.yielded, ours.num_replicas, ours.batch_size), reshard
 
 
-def starting(plan: ResumePlan | None, generator: torch.Generator | None) -> torch.Tensor:
+def starting(resume: ResumeState | None, generator: torch.Generator | None) -> torch.Tensor:
     """Right before an iterator is made: the RNG state its base seed is drawn from (the
     saved one when resuming). A state taken between epochs, when the next epoch draws
     its order or base seed from torch's global RNG, sets that RNG as the saved run had it."""
-    if plan is not None and plan.global_rng is not None:
-        torch.set_rng_state(plan.global_rng)
-    if plan is not None and plan.iterator_rng is not None:
-        return plan.iterator_rng
+    if resume is not None and resume.global_rng is not None:
+        torch.set_rng_state(resume.global_rng)
+    if resume is not None and resume.iterator_rng is not None:
+        return resume.iterator_rng
     return generator.get_state() if generator is not None else torch.get_rng_state()
 
 
 @contextlib.contextmanager
-def replaying(view: LoaderView, plan: ResumePlan | None,
+def replaying(view: LoaderView, resume: ResumeState | None,
               set_generator: Callable[[torch.Generator | None], None]) -> Iterator[None]:
-    """While an iterator is made: its base seed drawn from the plan's state, from a
+    """While an iterator is made: its base seed drawn from the saved state, from a
     copy of the loader's generator at that state (``set_generator`` puts it in the
     loader's place; with no generator, a copy of torch's global RNG at that state: the
     global RNG itself then moves as the uninterrupted run's iterator moved it when it
     was made in the resumed epoch, by its seed draws, before a dataset's own state is
     loaded)."""
-    if plan is None or plan.iterator_rng is None:
+    if resume is None or resume.iterator_rng is None:
         yield
         return
     generator = view.generator
-    if generator is None and plan.armed and plan.epochs_before == 0:
+    if generator is None and resume.mid_epoch and resume.epochs_before == 0:
         # (the uninterrupted run made this iterator in this epoch: a persistent one's
         # later epochs, or the next one after a state between epochs, drew nothing)
         for _ in range(1 + isinstance(view.dataset, IterDataPipe)):  # base (+ shared) seed
             torch.empty((), dtype=torch.int64).random_()
     copy = torch.Generator()
-    copy.set_state(plan.iterator_rng)
+    copy.set_state(resume.iterator_rng)
     set_generator(copy)
     try:
         yield

@@ -3,17 +3,17 @@
 The loader sees its index sampler through :class:`IndexView`; each epoch's
 iteration of it is a :class:`Drawing`, which remembers the state of the generator
 the sampler draws from when the epoch began (the loader's ``generator``, else
-torch's global one) and counts its draws. A :class:`ResumePlan` (made by
-``_load.plan_from``) sets that generator back and draws the batches already
-yielded again, without fetching any data, or loads a stateful sampler's own
-``state_dict``.
+torch's global one) and counts its draws. A loaded mid-epoch
+:class:`~dpex.client.resume._state.ResumeState` (``_load.loaded``) sets that
+generator back and draws the batches already yielded again, without fetching any
+data, or loads a stateful sampler's own ``state_dict``: the first epoch of the
+iterator that took it that draws does so, and it is spent (``IndexView.resume``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,9 +22,10 @@ import torch
 from dpex._spec import Positioned
 from dpex.client.resume._identity import check_epoch
 from dpex.client.resume._reshard import Layout, epoch_order
+from dpex.client.resume._state import ResumeState
 from dpex.errors import ResumeStateError
 
-__all__ = ["ResumePlan", "IndexView", "Drawing", "stateful", "sampler_generator", "rng_state",
+__all__ = ["IndexView", "Drawing", "stateful", "sampler_generator", "rng_state",
            "forked_global", "distributed_layout", "distributed_seed"]
 
 
@@ -84,43 +85,6 @@ def _seed_draws(start: torch.Tensor, end: torch.Tensor, limit: int = 4) -> int:
     return 0
 
 
-@dataclasses.dataclass
-class ResumePlan:
-    """What the next iterator of a loader replays (``load_state_dict``)."""
-
-    skip: int  # index batches of the epoch already yielded
-    sampler_rng: torch.Tensor | None  # the sampler's generator when the epoch's iter() began
-    draw_rng: torch.Tensor | None  # ... and at its first draw (lazy samplers draw then)
-    iterator_rng: torch.Tensor | None  # the base seed's generator when the iterator was made
-    sampler_state: Any = None  # a stateful sampler's own state at ``skip``
-    armed: bool = True  # until the epoch's first draw
-    drawn: bool = True  # the saved epoch had drawn its first batch (else: iter(), no next())
-    # dpex's workers: each one's RNG states after its last batch the saved run took,
-    # by worker id (None: not known), and how many workers the saved run had.
-    worker_rng: dict[int, Any] | None = None
-    worker_rng_num_workers: int = 0
-    iterable: dict | None = None  # an IterableDataset's shard positions (mid-epoch)
-    # Epochs the saved iterator's base seed served before the one resumed (persistent
-    # workers): worker_seeding="per_batch" seeds each batch from it (see _spec.py).
-    epochs_before: int = 0
-    # num_workers=0 (the dataset runs in the trainer): the dataset's own state and its
-    # iterator's (torchdata's order: the dataset's, then iter(), then the iterator's).
-    dataset_state: Any = None
-    dataset_iter_state: Any = None
-    # At an epoch boundary, torch's global RNG as the saved run had it, when the next
-    # epoch's order or base seed draws from it: set when the next iterator is made.
-    global_rng: torch.Tensor | None = None
-    sampler_epoch: int | None = None  # a sampler's epoch (set_epoch) the state was taken in
-    # Resuming on another number of ranks (or another batch size): the rest of the
-    # saved epoch, as this rank's DistributedSampler deals it (see _reshard.py).
-    rest: Layout | None = None
-
-    def worker_rng_fits(self, num_workers: int) -> bool:
-        """Whether the saved workers' RNG states apply: with another worker count each
-        worker computes other batches, so fresh seeds are as good as any."""
-        return self.worker_rng is not None and num_workers == self.worker_rng_num_workers
-
-
 def distributed_layout(index_sampler: Any) -> Layout | None:
     """A fresh epoch's :class:`Layout` where the index sampler is torch's ``BatchSampler``
     over torch's own ``DistributedSampler`` (a subclass may deal otherwise), else None."""
@@ -143,21 +107,23 @@ def distributed_seed(index_sampler: Any) -> int | None:
 
 class IndexView:
     """The loader's index sampler as its iterators see it: the same indices, each
-    epoch a :class:`Drawing`. ``len`` is the sampler's."""
+    epoch a :class:`Drawing`. ``len`` is the sampler's. ``resume``: the loaded state
+    the iterator was made with (None: none), until an epoch of it draws (the one
+    mutable bit of a resume: a mid-epoch state is replayed once)."""
 
-    def __init__(self, sampler: Any, plan: ResumePlan | None, keep: int | None) -> None:
-        self.sampler, self.plan, self.keep = sampler, plan, keep
+    def __init__(self, sampler: Any, resume: ResumeState | None, keep: int | None) -> None:
+        self.sampler, self.resume, self.keep = sampler, resume, keep
         self.generator = sampler_generator(sampler)
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Drawing:
-        return Drawing(self.sampler, self.generator, self.plan, self.keep)
+        return Drawing(self, self.keep)
 
 
 def _rest_batches(sampler: Any, rest: Layout) -> Iterator[list[int]]:
-    inner = sampler.sampler  # (a DistributedSampler: plan_from checked)
+    inner = sampler.sampler  # (a DistributedSampler: _load.loaded checked)
     order = epoch_order(len(inner.dataset), inner.shuffle, inner.seed, inner.epoch)
     return rest.rank_batches(order, inner.rank)
 
@@ -165,17 +131,19 @@ def _rest_batches(sampler: Any, rest: Layout) -> Iterator[list[int]]:
 class Drawing:
     """One epoch's draws from the index sampler (torch's ``_sampler_iter``)."""
 
-    def __init__(self, sampler: Any, generator: torch.Generator | None,
-                 plan: ResumePlan | None, keep: int | None) -> None:
-        self.generator = generator
-        self.plan = plan if plan is not None and plan.armed else None
+    def __init__(self, view: IndexView, keep: int | None) -> None:
+        sampler, generator = view.sampler, view.generator
+        self.generator, self._view = generator, view
+        # The loaded mid-epoch state this epoch replays at its first draw (None: none).
+        self.resume = view.resume if view.resume is not None and view.resume.mid_epoch \
+            else None
         self.stateful = stateful(sampler)
-        if self.plan is not None and generator is not None:
+        if self.resume is not None and generator is not None:
             # (also before iter(): a sampler may draw in __iter__ itself)
-            generator.set_state(self.plan.sampler_rng)
-        if self.plan is not None and self.plan.sampler_state is not None and self.stateful:
-            self.stateful.load_state_dict(self.plan.sampler_state)
-        self.iter_rng = (self.plan.sampler_rng if self.plan is not None
+            generator.set_state(self.resume.sampler_rng)
+        if self.resume is not None and self.resume.sampler_state is not None and self.stateful:
+            self.stateful.load_state_dict(self.resume.sampler_state)
+        self.iter_rng = (self.resume.sampler_rng if self.resume is not None
                          else rng_state(generator))
         self.draw_rng: torch.Tensor | None = None  # taken at the first draw
         self.position = 0  # index batches of this epoch drawn (skipped ones included)
@@ -194,8 +162,8 @@ class Drawing:
         self.sampler_epoch: int | None = None  # a DistributedSampler's, at the first draw
         self.items = 0  # entries drawn this epoch (skipped ones included)
         self.batch_size = getattr(sampler, "batch_size", None)
-        if self.plan is not None and self.plan.rest is not None:
-            self.layout = self.plan.rest  # (its batches are dealt at the first draw)
+        if self.resume is not None and self.resume.rest is not None:
+            self.layout = self.resume.rest  # (its batches are dealt at the first draw)
         self._it = iter(sampler)  # (torch's samplers order the epoch at the first draw)
 
     def __iter__(self) -> Drawing:
@@ -204,30 +172,31 @@ class Drawing:
     def __next__(self) -> Any:
         if self.position == 0 and self.layout is not None and self.sampler_epoch is None:
             self.sampler_epoch = self._sampler.sampler.epoch
-        if self.plan is None:
+        if self.resume is None:
             if self.draw_rng is None:
                 self.draw_rng = rng_state(self.generator)
             return self._draw()
         # The sampler must be at the saved epoch by now (a framework may set it after
         # iter(): dpex's iterator draws a resumed epoch's first batch at the first next()).
-        if self.plan.sampler_state is None or self.stateful is None:
-            check_epoch(self.plan.sampler_epoch, getattr(self._sampler, "sampler", None))
-        plan, self.plan = self.plan, None
-        plan.armed = False  # taken by the epoch that draws first
-        if plan.rest is not None:  # another rank count: this rank's part of the rest
-            self._it = _rest_batches(self._sampler, plan.rest)
+        if self.resume.sampler_state is None or self.stateful is None:
+            check_epoch(self.resume.sampler_epoch, getattr(self._sampler, "sampler", None))
+        resume, self.resume = self.resume, None
+        self._view.resume = None  # spent: taken by the epoch that draws first
+        if resume.rest is not None:  # another rank count: this rank's part of the rest
+            self._it = _rest_batches(self._sampler, resume.rest)
             self.draw_rng = rng_state(self.generator)
             return self._draw()
-        self.draw_rng = plan.draw_rng if plan.draw_rng is not None else plan.sampler_rng
+        self.draw_rng = (resume.sampler_draw_rng if resume.sampler_draw_rng is not None
+                         else resume.sampler_rng)
         if self.generator is not None:
             self.generator.set_state(self.draw_rng)
-            self._replay(plan)
+            self._replay(resume)
             return self._draw()
         # With no generator the sampler draws from torch's global RNG: replay under a
         # fork of it, up to and including the first new draw (torch's samplers draw
         # their whole epoch's randomness then; see forked_global).
         with forked_global(self.draw_rng):
-            self._replay(plan)
+            self._replay(resume)
             return self._draw()
 
     def _draw(self) -> Any:
@@ -259,19 +228,19 @@ class Drawing:
         while self.states and next(iter(self.states)) < position:
             self.states.popitem(last=False)
 
-    def _replay(self, plan: ResumePlan) -> None:
+    def _replay(self, resume: ResumeState) -> None:
         """Pass over the batches already yielded, without fetching anything."""
-        self.skipped = plan.skip
-        if plan.sampler_state is not None and self.stateful is not None:
-            self.position = plan.skip  # the sampler's own state put it there
-            self.items = plan.skip * (self.batch_size or 1)
+        self.skipped = skip = resume.yielded
+        if resume.sampler_state is not None and self.stateful is not None:
+            self.position = skip  # the sampler's own state put it there
+            self.items = skip * (self.batch_size or 1)
             return
-        for _ in range(plan.skip):
+        for _ in range(skip):
             try:
                 self.items += _size(next(self._it))
             except StopIteration:
                 raise ResumeStateError(
-                    f"the state says {plan.skip} batches of this epoch were yielded, but "
+                    f"the state says {skip} batches of this epoch were yielded, but "
                     f"the sampler gives only {self.position}: the dataset, sampler or "
                     "batch size differ from the run that saved it") from None
             self.position += 1

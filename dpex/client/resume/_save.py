@@ -18,13 +18,7 @@ import torch
 
 from dpex.client.resume._identity import identity, sampler_epoch
 from dpex.client.resume._position import IteratorPosition
-from dpex.client.resume._replay import (
-    ResumePlan,
-    distributed_layout,
-    rng_state,
-    sampler_generator,
-    stateful,
-)
+from dpex.client.resume._replay import distributed_layout, rng_state, sampler_generator, stateful
 from dpex.client.resume._state import ResumeState
 from dpex.client.resume._trainer import trainer_states
 from dpex.client.resume._view import LoaderView
@@ -64,16 +58,9 @@ class Saving:
         workers = self.workers() if self.workers is not None else None
         if self.asked is not None and workers is not None:
             state.worker_rng = workers.worker_rng_states(self.asked, limit)
-        if not state.mid_epoch and state.worker_rng:
-            # Between epochs a worker's dataset state is the one after its last batch,
-            # before its shard's end ran (a dataset that counts its epochs counts then):
-            # the resumed worker runs what is left of that epoch (nothing) first, as
-            # torchdata's workers do.
-            state.worker_rng = {
-                w: {**rng, "finish_epoch": True}
-                if rng is not None and {"dataset", "dataset_iter"} & set(rng) else rng
-                for w, rng in state.worker_rng.items()}
-        return state
+        # (between epochs a worker's dataset state is the one after its last batch,
+        # before its shard's end ran)
+        return state.between_epochs()
 
     def state(self, limit: float | None = None) -> dict:
         """``state_dict()``: the full state as plain data."""
@@ -110,26 +97,23 @@ def _set(state: ResumeState, values: dict) -> None:
         setattr(state, name, value)
 
 
-def _pending(view: LoaderView, state: ResumeState, pending: ResumePlan, fetcher: Any
-             ) -> ResumeState:
-    """Still where a loaded state left off (no iterator has drawn from it)."""
-    loaded = {"iterator_rng": pending.iterator_rng, "worker_rng": pending.worker_rng,
-              "worker_rng_num_workers": pending.worker_rng_num_workers,
-              "epochs_before": pending.epochs_before,
-              "iterable": pending.iterable if pending.armed else None,
-              "dataset": pending.dataset_state, "dataset_iter": pending.dataset_iter_state}
-    if not pending.armed:
-        _set(_boundary(view, state, fetcher), loaded)
-        if pending.global_rng is not None:
-            state.global_rng = pending.global_rng
-        return state
+# What a loaded state no iterator has taken yet takes from the loader that holds it
+# (its own sampler, rank and worker count), not from the run that saved it.
+_THE_LOADERS = ("rng_source", "base_rng_source", "num_workers", "rank", "world_size",
+                "identity", "length", "sampler_epoch")
+
+
+def _pending(view: LoaderView, pending: ResumeState) -> ResumeState:
+    """Still where a loaded state left off (no iterator has drawn from it): that state,
+    as this loader says it (mid-epoch, the layout it deals the rest by), as torchdata's
+    ``state_dict()`` gives back its ``next_iter_state``."""
+    ours = _new_state(view)
+    mine = {name: getattr(ours, name) for name in _THE_LOADERS}
+    if not pending.mid_epoch:
+        return dataclasses.replace(pending, **mine, rest=None)
     layout = pending.rest or distributed_layout(view.index_sampler)
-    _set(state, loaded)
-    _set(state, {"mid_epoch": True, "yielded": pending.skip, "drawn": pending.drawn,
-                 "sampler_rng": pending.sampler_rng, "sampler_draw_rng": pending.draw_rng,
-                 "sampler_state": pending.sampler_state,
-                 "layout": layout.to_state() if layout is not None else None})
-    return state
+    return dataclasses.replace(pending, **mine, rest=None,
+                               layout=layout.to_state() if layout is not None else None)
 
 
 def _mid_epoch(view: LoaderView, state: ResumeState, position: IteratorPosition) -> None:
@@ -160,16 +144,16 @@ def _mid_epoch(view: LoaderView, state: ResumeState, position: IteratorPosition)
 
 
 def capture(view: LoaderView, position: IteratorPosition | None,
-            pending: ResumePlan | None) -> Saving:
+            pending: ResumeState | None) -> Saving:
     """Where the loader's current iterator (at ``position``, or None) stands in its
     epoch; ``pending``: a loaded state no iterator has taken yet."""
     state = _new_state(view)
     drawing = position.drawing if position is not None else None
     fetcher = position.fetcher if position is not None else None
-    if drawing is not None and drawing.plan is not None:
-        pending = drawing.plan  # an iterator made since, that has not drawn yet
+    if drawing is not None and drawing.resume is not None:
+        pending = drawing.resume  # an iterator made since, that has not drawn yet
     if pending is not None:
-        return Saving(_pending(view, state, pending, fetcher))
+        return Saving(_pending(view, pending))
     if position is None or drawing is None:
         return Saving(_boundary(view, state, fetcher))  # the next epoch starts anew
     ended = position.ended or (  # (an IterableDataset's length is a hint)

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from dpex.client.resume._position import IteratorPosition, position_of
-from dpex.client.resume._replay import ResumePlan
 from dpex.client.resume._state import ResumeState
 
 __all__ = ["IteratorSlot"]
@@ -59,9 +58,9 @@ class IteratorSlot:
         current = self.current
         return None if current is None else position_of(current, self.iterator_rng)
 
-    def unstarted_plan(self) -> ResumePlan | None:
-        """The loaded plan the current iterator was made with and never drew from (its
+    def unstarted(self) -> ResumeState | None:
+        """The loaded state the current iterator was made with and never drew from (its
         first ``next()`` was refused): the next iterator resumes in its place."""
         position = self.position()
         drawing = position.drawing if position is not None else None
-        return drawing.plan if drawing is not None else None
+        return drawing.resume if drawing is not None else None

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from dpex._spec import FINISH_EPOCH, restores_dataset
+from dpex.client.resume._reshard import Layout
 from dpex.errors import ResumeStateError
 
 __all__ = ["FORMAT", "STATE_VERSION", "ResumeState", "rng_from_plain", "rng_to_plain"]
@@ -116,14 +118,39 @@ class ResumeState:
     worker_rng_num_workers: int = 0
     iterable: dict | None = None  # an IterableDataset's position in each worker's shard
     epochs_before: int = 0  # epochs a persistent iterator's base seed served before
-    # num_workers=0: the dataset's own state and its iterator's.
+    # num_workers=0: the dataset's own state and its iterator's (torchdata's order:
+    # the dataset's, then iter(), then the iterator's).
     dataset: Any = None
     dataset_iter: Any = None
+    # In memory only, on a loaded state (load_state_dict): resuming on another number of
+    # ranks (or another batch size), the rest of the saved epoch as this rank's
+    # DistributedSampler deals it (_reshard.py); None: replayed as the saved run drew it.
+    rest: Layout | None = dataclasses.field(default=None, metadata={"plain": False})
+
+    def worker_rng_fits(self, num_workers: int) -> bool:
+        """Whether the saved workers' RNG states apply: with another worker count each
+        worker computes other batches, so fresh seeds are as good as any."""
+        return self.worker_rng is not None and num_workers == self.worker_rng_num_workers
+
+    def restores_dataset(self, worker_id: int) -> bool:
+        """Whether worker ``worker_id`` resumes its dataset's own state (a stateful
+        IterableDataset's), rather than passing over what it delivered before."""
+        return restores_dataset((self.worker_rng or {}).get(worker_id))
+
+    def between_epochs(self) -> ResumeState:
+        """This state with each worker's dataset state marked as taken between epochs:
+        the resumed worker runs what was left of that epoch (nothing but its end) first,
+        as torchdata's workers do (a dataset that counts its epochs counts then)."""
+        if self.mid_epoch or not self.worker_rng:
+            return self
+        return dataclasses.replace(self, worker_rng={
+            w: {**rng, FINISH_EPOCH: True} if restores_dataset(rng) else rng
+            for w, rng in self.worker_rng.items()})
 
     def to_dict(self) -> dict:
         """The plain form ``state_dict()`` returns."""
         plain: dict[str, Any] = {"format": FORMAT, "version": STATE_VERSION}
-        for field in dataclasses.fields(self):
+        for field in _plain_fields():
             plain[field.name] = getattr(self, field.name)
         for name in _RNG_FIELDS:
             plain[name] = rng_to_plain(plain[name])
@@ -150,8 +177,8 @@ class ResumeState:
             plain = {**_VERSION_1_DEFAULTS, **plain}
             if not isinstance(plain["sampler_epoch"], int):  # (a float epoch was saved too)
                 plain["sampler_epoch"] = None
-        values = {f.name: plain[f.name] for f in dataclasses.fields(cls) if f.name in plain}
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in plain
+        values = {f.name: plain[f.name] for f in _plain_fields() if f.name in plain}
+        missing = [f.name for f in _plain_fields() if f.name not in plain
                    and f.default is dataclasses.MISSING]
         if missing:
             raise ResumeStateError(f"this loader state lacks {missing}: it is incomplete")
@@ -181,6 +208,11 @@ class ResumeState:
             raise ResumeStateError(f"this loader state's {name!r} cannot be read: "
                                    f"{type(exc).__name__}: {exc}") from None
         return state
+
+
+def _plain_fields() -> list[dataclasses.Field]:
+    """The fields a plain state holds (not the in-memory ``rest``)."""
+    return [f for f in dataclasses.fields(ResumeState) if f.metadata.get("plain", True)]
 
 
 _COUNTS = {"yielded": 0, "num_workers": 0, "rank": 0, "world_size": 1, "length": 0,

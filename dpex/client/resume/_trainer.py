@@ -10,6 +10,7 @@ from typing import Any
 
 from dpex._spec import own_state
 from dpex.client.resume._position import fetcher_of
+from dpex.client.resume._state import ResumeState
 from dpex.client.resume._view import LoaderView
 
 __all__ = ["in_trainer", "trainer_states"]
@@ -60,35 +61,35 @@ def _noting_the_end(fetcher: Any) -> Any:
     return noting_the_end
 
 
-def in_trainer(view: LoaderView, plan: Any, make: Any) -> Any:
+def in_trainer(view: LoaderView, resume: ResumeState | None, make: Any) -> Any:
     """num_workers=0: make torch's single-process iterator with ``make()`` where the
-    plan says the saved run stood, in torchdata's order: the dataset's own state is
-    loaded, then ``iter()``, then its iterator's own state; an IterableDataset with no
-    state of its own passes over the batches already yielded (fetched again and
-    dropped: it cannot skip them otherwise). ``plan``: a ``_replay.ResumePlan`` or None."""
-    if plan is not None and plan.dataset_state is not None and (
-            view.iterable or not plan.armed):
-        view.dataset.load_state_dict(plan.dataset_state)
+    loaded state ``resume`` (or None) says the saved run stood, in torchdata's order:
+    the dataset's own state is loaded, then ``iter()``, then its iterator's own state;
+    an IterableDataset with no state of its own passes over the batches already
+    yielded (fetched again and dropped: it cannot skip them otherwise)."""
+    if resume is not None and resume.dataset is not None and (
+            view.iterable or not resume.mid_epoch):
+        view.dataset.load_state_dict(resume.dataset)
     iterator = make()
     fetcher = fetcher_of(iterator)
     if not view.iterable:
-        if plan is not None and plan.armed and plan.dataset_state is not None:
-            if plan.drawn:
+        if resume is not None and resume.mid_epoch and resume.dataset is not None:
+            if resume.drawn:
                 # In the middle of an epoch: loaded after the epoch's first draw (its
                 # replay), right before the first fetch, where the saved run's dataset
                 # stood when it saved it (a dataset that keeps torch's RNG in its state).
-                fetcher.fetch = _loading_first(fetcher, view.dataset, plan.dataset_state)
+                fetcher.fetch = _loading_first(fetcher, view.dataset, resume.dataset)
             else:  # saved before the epoch's first draw: that draw is still to come
-                view.dataset.load_state_dict(plan.dataset_state)
+                view.dataset.load_state_dict(resume.dataset)
         return iterator
     fetcher.fetch = _noting_the_end(fetcher)
-    if plan is None or not plan.armed:
+    if resume is None or not resume.mid_epoch:
         return iterator
-    if plan.dataset_iter_state is not None:
-        fetcher.dataset_iter.load_state_dict(plan.dataset_iter_state)
-    elif plan.dataset_state is None and plan.skip:
-        _pass_over(view, fetcher, plan.skip)
-    if (plan.iterable or {}).get("trainer", {}).get("ended"):
+    if resume.dataset_iter is not None:
+        fetcher.dataset_iter.load_state_dict(resume.dataset_iter)
+    elif resume.dataset is None and resume.yielded:
+        _pass_over(view, fetcher, resume.yielded)
+    if (resume.iterable or {}).get("trainer", {}).get("ended"):
         fetcher.ended = True
     return iterator
 
