@@ -96,12 +96,13 @@ def _carry_state(prepared: Any) -> None:
     """
     base: DpexDataLoader = prepared.base_dataloader
     prepared.use_stateful_dataloader = True
+    position = [base._resume_position()]  # (the latest, taken before each inner next())
 
     def update() -> None:
-        prepared.__dict__["_dpex_position"] = base._resume_position()
+        position[0] = base._resume_position()
 
     def state_dict() -> dict:
-        return prepared.__dict__["_dpex_position"].state()
+        return position[0].state()
 
     def load_state_dict(state: dict) -> None:
         base.load_state_dict(state)

@@ -18,18 +18,15 @@ from dpex._config import DpexConfig, prefetch_window
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
 from dpex._stats import LoaderStats
-from dpex.client._live import LiveIterators
+from dpex.client._book import IteratorBook
 from dpex.client.resume import (
     IndexView,
-    IteratorSlot,
     LoaderView,
     ResumeState,
     Saving,
     capture,
     in_trainer,
     loaded,
-    mid_epoch_state,
-    position_of,
     replaying,
     starting,
 )
@@ -205,9 +202,7 @@ class DpexDataLoader(DataLoader[T_co]):
 
     def _reset_runtime_state(self) -> None:
         """What belongs to this process's live iterators, never to the configuration."""
-        self._slot = IteratorSlot()  # the current iterator (see dpex/client/resume/_slot.py)
-        self._live = LiveIterators()  # the dpex iterators close() stops
-        self._final_stats: dict = {}  # what the newest one to shut down reported last
+        self._book = IteratorBook(self._resume_view)  # its iterators (client/_book.py)
         # What load_state_dict() loaded and no iterator has taken yet (travels with the
         # configuration: a spawned rank resumes from it).
         self.__dict__.setdefault("_resume", None)
@@ -216,7 +211,7 @@ class DpexDataLoader(DataLoader[T_co]):
         """The configuration only (for ``mp.spawn``, Lightning's ``ddp_spawn``): live
         iterators, their workers and counters stay with the process that made them."""
         state = dict(self.__dict__)
-        for name in ("_iterator", "_slot", "_live", "_final_stats"):
+        for name in ("_iterator", "_book"):
             state.pop(name, None)
         return state
 
@@ -353,15 +348,14 @@ class DpexDataLoader(DataLoader[T_co]):
         if resume is None:
             # The current iterator never drew (its first next() was refused): this one
             # resumes in its place.
-            resume = self._resume = self._slot.unstarted()
+            resume = self._resume = self._book.unstarted()
         iterator_rng = starting(resume, self.generator)
         view = self._resume_view()
         with replaying(view, resume, self._set_generator):
             iterator = self._make_iterator(view)  # (if this fails, the state stays for the next try)
         self._resume = None  # the new iterator's epoch holds it until it draws
-        self._slot.hold(iterator, iterator_rng, strong=self.num_workers == 0)
-        if self._distributed:
-            self._live.add(iterator)
+        self._book.hold(iterator, iterator_rng, strong=self.num_workers == 0,
+                        dpex=self._distributed)
         return iterator
 
     def _make_iterator(self, view: LoaderView) -> _BaseDataLoaderIter:
@@ -373,7 +367,7 @@ class DpexDataLoader(DataLoader[T_co]):
         from dpex.server._actor import DpexWorker
 
         # Built from the attributes, which a framework may have set since __init__.
-        iterator = RayDataLoaderIter(self, self.dpex_config, DpexWorker)
+        iterator = RayDataLoaderIter(self, self.dpex_config, DpexWorker, self._book)
         self.check_worker_number_rationality()  # as torch does here; Ray is connected now
         return iterator
 
@@ -389,21 +383,10 @@ class DpexDataLoader(DataLoader[T_co]):
     def _resume_position(self) -> Saving:
         """Where this loader stands, cheaply: ``.state()`` is ``state_dict()`` (asking
         the workers for their RNG states only then)."""
-        position = self._slot.position()
-        if position is None and self._slot.kept is not None:
-            return Saving(self._slot.kept)  # its iterator ended mid-epoch (_keep_position)
+        position = self._book.position()
+        if position is None and self._book.kept is not None:
+            return Saving(self._book.kept)  # its iterator ended mid-epoch (IteratorBook.keep)
         return capture(self._resume_view(), position, self._resume)
-
-    def _keep_position(self, iterator: Any, ask_workers: bool, limit: float | None = None
-                       ) -> None:
-        """Keep where ``iterator`` stood if it is the current one and ends in the middle
-        of an epoch (closed, or dropped: a loop left with ``break``), for a
-        ``state_dict()`` taken after it (see :func:`~dpex.client.resume.mid_epoch_state`)."""
-        if not self._slot.is_current(iterator):
-            return  # an older one, or the one running when a state was loaded
-        position = position_of(iterator, self._slot.iterator_rng)
-        self._slot.keep(iterator, mid_epoch_state(self._resume_view(), position, ask_workers,
-                                                  limit))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume where ``state_dict()`` was taken: the next ``iter(loader)`` yields the
@@ -417,7 +400,7 @@ class DpexDataLoader(DataLoader[T_co]):
         resume = loaded(self._resume_view(), state_dict)
         # An iterator still alive stands elsewhere: state_dict() now describes what was
         # loaded, until the next iterator moves.
-        self._slot.empty()
+        self._book.empty()
         persistent = self._iterator
         if persistent is not None:  # its workers hold another position: a fresh iterator
             self._iterator = None
@@ -433,12 +416,12 @@ class DpexDataLoader(DataLoader[T_co]):
         if not self._distributed:
             raise ValueError("scale_workers() changes dpex's workers (distribute_mode=True, "
                              "num_workers > 0); torch's own loader has a fixed count")
-        iterator = self._live.newest
+        iterator = self._book.newest
         if iterator is not None and not iterator.closed:
             iterator.scale_to(n)
         elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"scale_workers() takes a worker count >= 1, got {n!r}")
-        self._autoscale_workers = n
+        self._book.scaled(n)
 
     def stats(self) -> LoaderStats:
         """Counters of the newest iterator, running or finished (``{}`` if there is none):
@@ -448,19 +431,19 @@ class DpexDataLoader(DataLoader[T_co]):
         (``dpex.stats_prometheus(loader)`` gives them in Prometheus' format). A
         finished iterator that was already collected reports what it counted when it
         shut down."""
-        iterator = self._live.newest
-        return iterator.stats() if iterator is not None else dict(self._final_stats)
+        iterator = self._book.newest
+        return iterator.stats() if iterator is not None else dict(self._book.final_stats)
 
     def close(self) -> None:
         """Stop every worker, socket and thread this loader started (idempotent). A
         ``state_dict()`` after it still says where the newest iterator stood."""
-        current = self._slot.current
-        if current in self._live and not current.closed:
+        current = self._book.current
+        if self._book.is_live(current) and not current.closed:
             try:
-                self._keep_position(current, ask_workers=True)
+                self._book.keep(current, ask_workers=True)
             except Exception:  # (in_order=False, say): close all the same
                 logger.info("dpex: close() keeps no position", exc_info=True)
-        for iterator in self._live.take_all():
+        for iterator in self._book.take_live():
             iterator._shutdown_workers()
         self._iterator = None
 

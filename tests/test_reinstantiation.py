@@ -63,9 +63,10 @@ def test_a_loader_rebuilt_from_its_attributes_keeps_dpex():
 def test_the_loader_pickles_its_configuration_not_its_iterators():
     loader = DpexDataLoader(dsets.Squares(8), batch_size=2, num_workers=2, **DPEX_KW)
     loader._iterator = object()  # what a live persistent iterator would be: not picklable
-    loader._final_stats = {"received": 3}
+    loader._book.ended({"received": 3})  # (what a shut-down iterator reports)
+    assert loader.stats() == {"received": 3}
     copy = pickle.loads(pickle.dumps(loader))
-    assert copy._iterator is None and copy._final_stats == {} and copy.stats() == {}
+    assert copy._iterator is None and copy.stats() == {}
     assert (copy.distribute_mode, copy.ray_remote_args, copy.batch_size) == \
         (True, {"num_cpus": 0.5}, 2)
 

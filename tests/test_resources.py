@@ -132,9 +132,9 @@ def test_an_iterator_that_raised_releases_its_workers_at_once(reuse):
     with pytest.raises(ValueError) as caught:
         for i, _ in enumerate(loader):
             if i == 0:
-                pids = worker_pids(loader._slot.current)
+                pids = worker_pids(loader._book.current)
     # The exception (and so its traceback) is still alive here: the iterator is not.
-    assert caught.value is not None and loader._slot.current is None
+    assert caught.value is not None and loader._book.current is None
     assert released(pids, reuse) == []
     # Iterating again gets fresh workers and the whole epoch up to the same error.
     got = []
@@ -161,10 +161,10 @@ def test_a_broken_off_iterator_releases_its_workers_without_the_garbage_collecto
     try:
         for i, _ in enumerate(loader):
             if i == 0:
-                pids = worker_pids(loader._slot.current)
+                pids = worker_pids(loader._book.current)
             if i == 2:
                 break
-        assert loader._slot.current is None
+        assert loader._book.current is None
         assert released(pids, reuse) == []
     finally:
         gc.enable()

@@ -14,10 +14,8 @@ from dsets import json_trip, round_trip
 from torch.utils.data import DataLoader
 
 from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
-from dpex.client._live import LiveIterators
 from dpex.client.resume import (
     IteratorPosition,
-    IteratorSlot,
     ResumeState,
     capture,
     loaded,
@@ -221,29 +219,50 @@ def test_torchs_iterators_positions_are_read_by_the_one_adapter():
     assert position_of(iter(plain), None).drawing is None
 
 
-def test_the_slot_keeps_only_its_current_iterators_end():
+def test_the_book_keeps_only_its_current_iterators_end():
+    loader = DataLoaderLike()
+    book = loader._book
+    old = iter(loader)
+    next(old)
+    new = iter(loader)  # the current one now
+    for _ in range(2):
+        next(new)
+    book.keep(old, ask_workers=False)  # an older iterator ended: not where the loader stands
+    assert book.kept is None
+    book.keep(new, ask_workers=False)
+    assert book.kept.mid_epoch and book.kept.yielded == 2
+    book.empty()  # load_state_dict(): nothing current, nothing kept
+    assert book.current is None and book.kept is None
+    book.keep(new, ask_workers=False)
+    assert book.kept is None
+
+
+def test_the_book_knows_the_live_dpex_iterators_without_keeping_them_alive():
     class It:
         pass
 
-    slot, old, new = IteratorSlot(), It(), It()
-    slot.hold(old, None, strong=False)
-    slot.hold(new, None, strong=False)
-    live = LiveIterators()  # (which of them close() stops: the loader's other record)
-    live.add(old)
-    live.add(new)
-    kept = DataLoaderLike()._resume_position().resume_state()
-    slot.keep(old, kept)  # an older iterator ended: not where the loader stands
-    assert slot.kept is None
-    slot.keep(new, kept)
-    assert slot.kept is kept
-    assert live.newest is new and set(live.take_all()) == {old, new}
-    slot.empty()  # load_state_dict(): nothing current, nothing kept
-    assert slot.current is None and slot.kept is None
-    slot.keep(new, kept)
-    assert slot.kept is None
+    book, old, new = DataLoaderLike()._book, It(), It()
+    book.hold(old, None, strong=False, dpex=True)
+    book.hold(new, None, strong=False, dpex=True)
+    assert book.current is new and book.newest is new and book.is_live(old)
     ref = weakref.ref(new)
     del new
-    assert ref() is None  # the slot does not keep an iterator alive unless told to
+    assert ref() is None and book.current is None  # (unless told to hold it: num_workers=0)
+    assert book.take_live() == [old] and not book.is_live(old)
+
+
+def test_an_iterator_reports_to_the_book_and_writes_nothing_into_the_loader():
+    loader = DataLoaderLike()
+    before = dict(vars(loader))
+    book = loader._book
+    book.scaled(5)
+    book.ended({"batches": 3})
+    assert book.scaled_to == 5 and loader.stats() == {"batches": 3}
+
+    def broken():
+        raise RuntimeError("a counter changed while it was read")
+    book.dropped(object(), ask_workers=False, limit=1.0, stats=broken)  # (never raises)
+    assert vars(loader) == before
 
 
 def refers_to(value, target):
@@ -258,14 +277,14 @@ def refers_to(value, target):
     return False
 
 
-def test_the_loader_refers_to_its_current_iterator_from_one_slot():
-    """One slot (torch's own ``_iterator`` aside, which holds a persistent iterator)."""
+def test_the_loader_refers_to_its_current_iterator_from_one_book():
+    """One book (torch's own ``_iterator`` aside, which holds a persistent iterator)."""
     loader = DataLoaderLike()
     it = iter(loader)
     next(it)
     holders = sorted(name for name, value in vars(loader).items() if refers_to(value, it)
                      or refers_to(getattr(value, "__dict__", None), it))
-    assert holders == ["_slot"]
+    assert holders == ["_book"]
 
 
 def test_a_sampler_without_a_length_iterates_and_saves():
@@ -306,10 +325,9 @@ def test_the_iterator_running_when_a_state_is_loaded_still_serves_stats_and_scal
                             worker_pool="prep")  # (a fleet's name: no Ray until iter())
     state = loader.state_dict()
     running = Running()
-    loader._slot.hold(running, None, strong=False)  # (what _get_iterator does)
-    loader._live.add(running)
+    loader._book.hold(running, None, strong=False, dpex=True)  # (what _get_iterator does)
     loader.load_state_dict(state)
-    assert loader._slot.current is None and loader.state_dict() == state
+    assert loader._book.current is None and loader.state_dict() == state
     assert loader.stats() == {"batches": 7}
     loader.scale_workers(3)
     assert running.scaled == 3

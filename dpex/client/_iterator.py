@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import logging
 import time
 import traceback
 import weakref
@@ -27,6 +26,7 @@ from dpex._ray_connect import connect_ray
 from dpex._reaper import finalizer_for
 from dpex._spec import ShippedLoader, restores_dataset, stateful_dataset
 from dpex._stats import Latencies, LoaderStats
+from dpex.client._book import IteratorBook
 from dpex.client._driver import EpochDriver, Seeds
 from dpex.client._events import Handoff
 from dpex.client._interrupts import held, interruptible
@@ -42,33 +42,24 @@ from dpex.errors import IteratorClosedError
 
 __all__ = ["RayDataLoaderIter"]
 
-logger = logging.getLogger("dpex")
 _DROPPED_RNG_QUERY_S = 2.0  # how long a dropped iterator asks its workers for their states
 _iterator_ids = itertools.count()
 
 
-def _scaled(loader_ref: weakref.ref) -> Any:
-    """``on_scaled`` for the driver: the loader's next iterator starts with ``n``."""
-
-    def scaled(n: int) -> None:
-        loader = loader_ref()
-        if loader is not None:
-            loader._autoscale_workers = n
-
-    return scaled
-
-
 class RayDataLoaderIter(_BaseDataLoaderIter):
     """Iterator of a ``DpexDataLoader`` with ``distribute_mode=True, num_workers > 0``;
-    ``worker_class`` is the Ray actor class its own workers run (``DpexWorker``)."""
+    ``worker_class`` is the Ray actor class its own workers run (``DpexWorker``);
+    ``book``: the loader's :class:`~dpex.client._book.IteratorBook`, which this
+    iterator reports to (it writes nothing into the loader)."""
 
-    def __init__(self, loader: Any, config: DpexConfig, worker_class: type) -> None:
+    def __init__(self, loader: Any, config: DpexConfig, worker_class: type,
+                 book: IteratorBook) -> None:
         super().__init__(loader)
-        self._loader_ref = weakref.ref(loader)
+        self._book = book
         # How many workers, which one takes the first batch, what each starts from and
         # how batches are seeded: decided in one pure function (_launch.py).
         plan = plan_launch(
-            num_workers=loader.num_workers, scaled_to=loader.__dict__.get("_autoscale_workers"),
+            num_workers=loader.num_workers, scaled_to=book.scaled_to,
             prefetch_factor=loader.prefetch_factor,
             iterable=self._dataset_kind == _DatasetKind.Iterable,
             worker_seeding=config.worker_seeding, resume=self._index_sampler.resume,
@@ -104,7 +95,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             node_id=ray.get_runtime_context().get_node_id(),
             prefetch_factor=loader.prefetch_factor,
             in_order=loader.in_order, iterable=iterable, timeout=self._timeout,
-            on_stop=self._shutdown_workers, on_scaled=_scaled(self._loader_ref))
+            on_stop=self._shutdown_workers, on_scaled=book.scaled)
         self._reset(loader, first_iter=True)
 
     # -- epochs --------------------------------------------------------------------
@@ -259,9 +250,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         training thread: an explicit end, not garbage collection."""
         self._finalizer.detach()
         self._driver.runtime.close()
-        loader = self._loader_ref()
-        if loader is not None:
-            loader._final_stats = self.stats()
+        self._book.ended(self.stats())
 
     @property
     def _workers(self) -> list[WorkerProcess]:
@@ -285,21 +274,12 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         return iterator_stats(self._driver, epoch_s, self._latencies.summary(), wait)
 
     def __del__(self) -> None:
-        # Dropped in the middle of an epoch (a loop left with `break`): the loader keeps
-        # where it stood, for a state_dict() after the loop.
-        started = hasattr(self, "_loader_ref") and hasattr(self, "_driver")
-        loader = self._loader_ref() if started else None
-        if loader is not None and not self._driver.closed:
-            try:  # (its workers' states too, asked from the thread that took its batches)
-                ask = self._driver.elastic.is_training_thread()
-                loader._keep_position(self, ask_workers=ask, limit=_DROPPED_RNG_QUERY_S)
-            except Exception:  # never from __del__; the state is then an epoch boundary
-                logger.debug("dpex: could not keep a dropped iterator's position",
-                             exc_info=True)
-            try:  # loader.stats() after a loop left with `break`: this iterator's
-                loader._final_stats = self.stats(wait=False)
-            except Exception:  # (a counter changed while it was read: never from __del__)
-                logger.debug("dpex: could not keep a dropped iterator's stats", exc_info=True)
+        # Dropped in the middle of an epoch (a loop left with `break`): the loader's book
+        # keeps where it stood, for a state_dict() after the loop, and its counters.
+        if hasattr(self, "_book") and hasattr(self, "_driver") and not self._driver.closed:
+            # (its workers' states too, asked from the thread that took its batches)
+            self._book.dropped(self, self._driver.elastic.is_training_thread(),
+                               _DROPPED_RNG_QUERY_S, functools.partial(self.stats, wait=False))
         # The finalizer is the safety net; this only makes the common case prompt.
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:

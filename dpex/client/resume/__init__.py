@@ -11,7 +11,6 @@ drawn from. The pieces:
 - ``_view``: :class:`LoaderView`, what resuming reads of a loader.
 - ``_position``: :class:`IteratorPosition`, what every iterator reports of where it
   stands, and the adapter that reads it off torch's iterators.
-- ``_slot``: :class:`IteratorSlot`, the loader's one slot for its current iterator.
 - ``_save``: :func:`capture`, the state of a position (pure).
 - ``_load``: :func:`loaded`, a state checked against the loader and kept for its next
   iterator.
@@ -25,12 +24,11 @@ from dpex.client.resume._load import loaded, replaying, starting
 from dpex.client.resume._position import IteratorPosition, position_of
 from dpex.client.resume._replay import Drawing, IndexView, distributed_seed
 from dpex.client.resume._save import Saving, capture, mid_epoch_state
-from dpex.client.resume._slot import IteratorSlot
 from dpex.client.resume._state import STATE_VERSION, ResumeState
 from dpex.client.resume._trainer import in_trainer
 from dpex.client.resume._view import LoaderView
 
-__all__ = ["STATE_VERSION", "Drawing", "IndexView", "IteratorPosition", "IteratorSlot",
+__all__ = ["STATE_VERSION", "Drawing", "IndexView", "IteratorPosition",
            "LoaderView", "ResumeState", "Saving", "capture",
            "distributed_seed", "in_trainer", "loaded", "mid_epoch_state", "position_of",
            "replaying", "starting"]
