@@ -177,11 +177,10 @@ class DpexDataLoader(DataLoader[T_co]):
         if not recorded_before:
             self._complete_lightning_record(config)
         if self._distributed and self.worker_pool is None:
-            from dpex.client._workers import start_hosts_early  # (imports Ray)
             from dpex.server._actor import DpexWorker
 
-            start_hosts_early(DpexWorker, self.num_workers, self.ray_remote_args,
-                              self.warm_worker_timeout)
+            self._world().prestart(DpexWorker, self.num_workers, self.ray_remote_args,
+                                   self.warm_worker_timeout)
 
     def _complete_lightning_record(self, config: DpexConfig) -> None:
         """Make Lightning's record of this construction include dpex's arguments.
@@ -199,6 +198,17 @@ class DpexDataLoader(DataLoader[T_co]):
             return  # not recorded: Lightning rebuilds from the attributes set above
         for name in _DPEX_ARGUMENTS:
             kwargs.setdefault(name, getattr(config, name))
+
+    # Where dpex's workers run (dpex.client._runtime.Runtimes): None is Ray's. A test
+    # sets an in-process one on the class (tests/inprocess.py).
+    _runtimes: Any = None
+
+    def _world(self) -> Any:
+        if self._runtimes is not None:
+            return self._runtimes
+        from dpex.client._runtime import RayRuntimes  # (imports Ray)
+
+        return RayRuntimes()
 
     def _reset_runtime_state(self) -> None:
         """What belongs to this process's live iterators, never to the configuration."""
@@ -367,7 +377,8 @@ class DpexDataLoader(DataLoader[T_co]):
         from dpex.server._actor import DpexWorker
 
         # Built from the attributes, which a framework may have set since __init__.
-        iterator = RayDataLoaderIter(self, self.dpex_config, DpexWorker, self._book)
+        iterator = RayDataLoaderIter(self, self.dpex_config, DpexWorker, self._book,
+                                     self._world())
         self.check_worker_number_rationality()  # as torch does here; Ray is connected now
         return iterator
 

@@ -4,8 +4,13 @@
   pytest-xdist, so two embedded instances share the machine), started the way dpex
   starts it for a user: the embedded default, this machine's cores, nothing special.
 - Leaks fail: a test on that instance must stop every worker it started.
-- The tiers (README, Development): ``pytest_collection_modifyitems`` marks ``ray`` and
-  ``e2e`` tests; the ``fast`` tier is neither.
+- The tiers (README, Development), chosen per test: ``pytest_collection_modifyitems``
+  marks ``e2e`` a test marked ``slow`` or ``subprocess``, else ``ray`` one that uses the
+  ``ray_session`` fixture (or is marked ``ray``: one that asks for the fixture only in
+  some of its cases); the ``fast`` tier is neither, and ``fast_tier_guard`` makes any
+  process or Ray start there fail, naming the test's missing marker.
+- ``inprocess``: dpex's workers run in this process (tests/inprocess.py: the real task
+  runner, no Ray), for the loader's, iterator's and resume's rules in the fast tier.
 - Test datasets are shipped to Ray workers by value, and torch's reference loaders'
   forkserver preloads them.
 """
@@ -74,21 +79,51 @@ def no_leaked_actors(request):
     dsets.wait_no_workers(limit=10.0)
 
 
-# Test files whose tests (those that are not on the shared Ray instance already) start
-# processes: examples and doc pages run as a user runs them, a session's own process,
-# torch's worker processes, a script after `ray.shutdown()`. With the `slow` tests they
-# are the `e2e` tier (README, Development).
-E2E_FILES = frozenset({"test_docs.py", "test_session_process.py",
-                       "test_resume_conformance.py", "test_ray_shutdown.py",
-                       "test_worker_env.py"})
-
-
 def pytest_collection_modifyitems(config, items):
-    """The tiers as markers: ``ray`` for a test on the shared Ray instance (the
-    ``ray_session`` fixture, directly or through ``usefixtures``), ``e2e`` for a slow
-    test or one of E2E_FILES; the ``fast`` tier is neither (scripts/test.sh fast)."""
+    """The tiers as markers, per test: ``e2e`` for a test marked ``slow`` or
+    ``subprocess``, ``ray`` for one on the shared Ray instance (the ``ray_session``
+    fixture, directly or through ``usefixtures``, or a ``ray`` marker); the ``fast``
+    tier is neither (scripts/test.sh fast)."""
     for item in items:
-        if item.get_closest_marker("slow") or item.path.name in E2E_FILES:
+        if item.get_closest_marker("slow") or item.get_closest_marker("subprocess"):
             item.add_marker(pytest.mark.e2e)
         elif "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+
+
+def _refused(what):
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"a fast-tier test {what}: mark it `subprocess` (or `slow`) if it starts "
+            "processes, or use the `ray_session` fixture (or the `ray` marker) for Ray")
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_guard(request, monkeypatch):
+    """The fast tier starts no process and no Ray: what would is refused by name."""
+    if request.node.get_closest_marker("e2e") or request.node.get_closest_marker("ray"):
+        yield
+        return
+    import _posixsubprocess
+    import subprocess
+
+    import ray
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", _refused("started a process"))
+    monkeypatch.setattr(subprocess, "_fork_exec", _refused("started a process"),
+                        raising=False)
+    monkeypatch.setattr(os, "fork", _refused("forked"))
+    monkeypatch.setattr(os, "posix_spawn", _refused("spawned a process"))
+    monkeypatch.setattr(ray, "init", _refused("started Ray"))
+    yield
+
+
+@pytest.fixture
+def inprocess():
+    """dpex's workers in this process (tests/inprocess.py): the real task runner over
+    the shipped loader, without Ray; the in-process world, for a test to look into."""
+    from inprocess import workers_in_process
+
+    with workers_in_process() as world:
+        yield world

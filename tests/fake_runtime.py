@@ -162,6 +162,7 @@ class FakeWorker:
 
 class Workers:  # dpex.client._runtime.Workers, in memory
     options: dict = {}
+    warm: frozenset = frozenset()
 
     def __init__(self, handoff: Any = None, compute: Callable[[Any], Any] = lambda i: i,
                  shards: dict[int, list] | None = None) -> None:

@@ -17,6 +17,7 @@ from dpex.client._autoscaler import Autoscaler
 # -- the type --------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess  # (torch's twin starts its worker processes)
 def test_autoscale_is_an_int_that_survives_copies_pickles_and_rebuilds():
     policy = Autoscale(2, 16, target=0.1, interval=0.5, patience=4)
     assert policy == 2 and isinstance(policy, int) and range(policy) == range(2)

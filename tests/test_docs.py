@@ -15,6 +15,7 @@ def python_blocks(path):
         return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("page", ["README.md", "docs/STATS.md", "docs/WARM_WORKERS.md",
                                   "docs/RESUME.md", "docs/AUTOSCALE.md"])

@@ -53,7 +53,7 @@ def test_a_failed_start_closes_the_runtime_it_was_given():
                                 iterable=False, worker_seeding="torch", resume=None),
                     Seeds(1, None), ship=ship, node_id="n",
                     prefetch_factor=2, in_order=True, iterable=False, timeout=0,
-                    on_stop=Owner().stop, on_scaled=lambda n: None)
+                    on_stop=Owner().stop, on_scaled=lambda n: None, free_resources=dict)
     assert runtime.closed and runtime.workers.calls == [("stop",)]
 
 
@@ -202,15 +202,53 @@ def test_an_added_worker_not_ready_within_startup_timeout_is_given_up():
     assert ("retire", 1) in runtime.workers.calls
 
 
-def test_both_worker_groups_and_the_in_memory_one_have_what_the_driver_asks_for():
+def _asked_of_the_group() -> set[str]:
+    """Every attribute dpex's client code uses on an iterator's worker group
+    (``<x>.runtime.workers.<name>``, ``runtime.workers.<name>``), read off its source."""
+    import ast
+    import pathlib
+
+    import dpex.client
+
+    asked = set()
+    for path in pathlib.Path(dpex.client.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "workers"
+                    and isinstance(node.value.value, (ast.Attribute, ast.Name))
+                    and getattr(node.value.value, "attr", getattr(node.value.value, "id", ""))
+                    == "runtime"):
+                asked.add(node.attr)
+    return asked
+
+
+def test_the_worker_group_protocol_is_what_the_driver_asks_and_every_group_has_it():
+    from inprocess import _Workers
+
     from dpex.client import _fleet_group, _runtime, _workers
 
-    asked = {name for name in vars(_runtime.Workers) if not name.startswith("_")}
-    asked |= set(_runtime.Workers.__annotations__)
-    assert {"start", "restart", "add", "retire", "kill", "stop", "options", "actors"} <= asked
-    for group in (_workers.WorkerGroup, _fleet_group.FleetGroup, Workers):
-        methods = {n for n in asked if callable(getattr(_runtime.Workers, n, None))}
-        assert methods <= set(dir(group)), (group, methods - set(dir(group)))
+    declared = {name for name in vars(_runtime.Workers) if not name.startswith("_")}
+    declared |= set(_runtime.Workers.__annotations__)
+    asked = _asked_of_the_group()
+    assert {"kill", "restart", "add", "retire", "warm", "options"} <= asked  # (the scan works)
+    assert asked <= declared, asked - declared  # nothing asked that a group need not have
+    from dpex._protocol import Wire
+
+    for group in (_workers.WorkerGroup, _fleet_group.FleetGroup, Workers(),
+                  _Workers(queue.SimpleQueue(), Wire.new())):
+        have = set(dir(group))
+        if isinstance(group, type):  # (made with Ray only: what its __init__ sets)
+            have |= {"options", "actors", "warm"}
+        assert declared <= have, (group, declared - have)
+
+
+def test_each_group_sets_the_attributes_it_declares_when_made():
+    import queue as queue_
+
+    from dpex.client import _fleet_group
+
+    group = _fleet_group.FleetGroup("pool", queue_.SimpleQueue())
+    assert group.warm == frozenset() and group.actors == {} and group.options
 
 
 class _Done:
@@ -240,5 +278,26 @@ def test_a_guest_lost_with_its_host_is_moved_not_charged_a_restart(guest, error,
     told: list = []
     report_exit(events, 2, 1, (lambda: told.append(1)) if guest else None)(_Done(exc))
     exit_ = events.get_nowait()
-    assert (exit_.worker_id, exit_.incarnation, exit_.host_lost) == (2, 1, lost)
-    assert told == ([1] if lost else [])  # the group hears its host died
+    assert (exit_.worker_id, exit_.incarnation, exit_.moved) == (2, 1, lost)
+    assert not exit_.unplaced and told == ([1] if lost else [])  # the group hears its host died
+
+
+@pytest.mark.parametrize("fleet, error, moved, unplaced", [
+    (False, "unschedulable", False, True),  # its node went away before it was placed
+    (False, None, False, False),  # its session ended cleanly (retired)
+    (True, None, True, True),  # a fleet worker's clean end: removed by `dpex fleet scale`
+    (True, "task", False, False),  # a fleet session that died: its own death
+])
+def test_the_group_says_in_the_exit_report_what_is_not_a_death_of_its_own(fleet, error,
+                                                                        moved, unplaced):
+    import ray
+
+    from dpex.client._workers import report_exit
+
+    exc = {"unschedulable": ray.exceptions.ActorUnschedulableError("its node is gone"),
+           "task": ray.exceptions.RayTaskError("serve", "traceback", RuntimeError("died")),
+           None: None}[error]
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    report_exit(events, 0, 0, fleet=fleet)(_Done(exc))
+    exit_ = events.get_nowait()
+    assert (exit_.moved, exit_.unplaced) == (moved, unplaced)

@@ -26,6 +26,7 @@ def test_a_finalizer_run_on_a_foreign_thread_tears_down_on_the_reaper_thread():
     assert done.wait(5) and ran == ["dpex-reaper"]
 
 
+@pytest.mark.subprocess
 def test_a_forked_childs_copy_tears_down_nothing():
     read, write = os.pipe()
 

@@ -194,6 +194,7 @@ def test_a_state_that_does_not_fit_is_a_clear_error(change, match):
         make(DpexDataLoader).load_state_dict(state)
 
 
+@pytest.mark.subprocess  # (torch's own worker processes)
 def test_a_mid_epoch_iterable_state_resumes_only_where_its_position_means_something():
     # num_workers=0: the position is the dataset's one iterator, in the trainer: it
     # resumes there (tests/test_resume_conformance.py), not in workers' shards.

@@ -41,6 +41,7 @@ def alive(pid):
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.subprocess
 def test_a_fleet_session_process_ends_with_the_fleet_worker_that_owns_it(live_session):  # noqa: F811
     sess, _, handoff = live_session
     spec = WorkerSpec(wire=sess.wire, worker_id=0, num_workers=1, base_seed=0,
@@ -77,6 +78,7 @@ FORKSERVER_HOST = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_a_killed_workers_forkserver_directory_is_removed_by_the_next_one(tmp_path):
     """Ray ends a worker with SIGKILL, and multiprocessing removes its pymp-* directory
     only at a clean exit: each worker used to leave one behind in /tmp."""
@@ -108,6 +110,7 @@ def worker_without_ray(monkeypatch, **kwargs):
     monkeypatch.setattr(_actor, "prestart", started.set)
     monkeypatch.setattr(_actor, "_placement", lambda: {"node_id": "f" * 56, "pid": 1})
     monkeypatch.setattr(_actor, "_ray_view", lambda own_job: None)
+    monkeypatch.setattr(_actor, "_fleet_node_bases", lambda: None)  # (it would start Ray)
     return _actor.DpexWorker(**kwargs), started
 
 
@@ -163,6 +166,7 @@ PRELOAD_HOST = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("setting", [None, "0"])
 def test_the_forkserver_preloads_the_libraries_a_first_session_imported(tmp_path, setting):
     """A warm worker's later sessions fork from a forkserver that has already imported
@@ -223,6 +227,7 @@ THREAD_STARTERS = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("kind", ["python", "native", "openblas"])
 def test_a_library_that_starts_a_thread_on_import_is_not_preloaded(tmp_path, kind):
     """Issue 39, item 8: a library that starts a thread on import made the forkserver,

@@ -218,7 +218,8 @@ def bare_worker(session_timeout: float) -> DpexWorker:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("own_process", [False, True], ids=["own", "fleet-session-process"])
+@pytest.mark.parametrize("own_process", [
+    False, pytest.param(True, marks=pytest.mark.subprocess)], ids=["own", "fleet-session-process"])
 async def test_a_worker_that_cannot_reach_its_trainer_says_where_it_tried_and_what_to_set(
         own_process):
     import socket

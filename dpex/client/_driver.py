@@ -30,8 +30,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import ray
-
 from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._shm import RingRef
@@ -47,7 +45,6 @@ from dpex.client._events import (
     WorkerHello,
     WorkerProgress,
 )
-from dpex.client._fleet_group import FleetGroup
 from dpex.client._interrupts import held, interruptible
 from dpex.client._launch import LaunchPlan
 from dpex.client._rng_query import RngQuery
@@ -102,7 +99,7 @@ class EpochDriver:
                  node_id: str, prefetch_factor: int, in_order: bool,
                  iterable: bool, timeout: float, on_stop: Callable[[], None],
                  on_scaled: Callable[[int], None],
-                 free_resources: Callable[[], dict] = ray.available_resources) -> None:
+                 free_resources: Callable[[], dict]) -> None:
         self.runtime, self.handoff = runtime, handoff
         self.timeout, self.startup_timeout = timeout, config.startup_timeout
         self.start_count = plan.num_workers
@@ -364,19 +361,13 @@ class EpochDriver:
             return
         w = exit_.worker_id
         cause = getattr(exit_.error, "cause", None) or exit_.error  # a RayTaskError's own
-        fleet = isinstance(self.runtime.workers, FleetGroup)
         # Its host could not use the trainer's memfd: it starts again from the store.
         undelivered = self.shipment.undelivered(cause)
         actions = self.sched.exited(
             w, exit_.incarnation, startup_error=isinstance(cause, WorkerStartupError),
-            # A worker never placed because its node went away is placed again, like a death.
-            unplaced=isinstance(cause, ray.exceptions.ActorUnschedulableError) or (
-                exit_.error is None and fleet) or undelivered,
+            unplaced=exit_.unplaced or undelivered,  # (the group's report: placed again)
             cause=type(cause).__name__ if exit_.error is not None else "session ended",
-            at=exit_.at,
-            # A fleet worker ended the session cleanly (removed by `dpex fleet scale`), or
-            # a guest session's host actor died: moved, not a death of its own.
-            moved=(exit_.error is None and fleet) or exit_.host_lost or undelivered)
+            at=exit_.at, moved=exit_.moved or undelivered)  # (not a death of its own)
         fatal = next((a for a in actions if isinstance(a, Fatal)), None)
         if fatal is None:
             try:

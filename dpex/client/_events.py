@@ -90,7 +90,12 @@ class WorkerExit:
     error: BaseException | None
     incarnation: int = 0
     at: float = field(default_factory=time.monotonic)  # when Ray reported it
-    host_lost: bool = False  # a guest session whose host actor died (not its own fault)
+    # Not a death of its own (the group says which): ``moved`` (a guest session whose
+    # host actor died; a fleet worker that ended its session cleanly, removed by `dpex
+    # fleet scale`) costs no restart, and ``unplaced`` (never placed: its node went
+    # away; or moved) is placed again.
+    moved: bool = False
+    unplaced: bool = False
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class FleetGroup:
         self.options = {"worker_pool": fleet}
         self.events = events
         self.actors: dict[int, Any] = {}
+        self.warm: frozenset[int] = frozenset()  # (a fleet's sessions: no warm pool)
         self._calls: dict[int, Any] = {}
         self._stopped = False
         self._namespace: str | None = None  # this trainer's (WorkerSpec.namespace)
@@ -53,7 +54,7 @@ class FleetGroup:
         ref = actor.serve.remote(spec, stored)
         self._calls[spec.worker_id] = ref
         ref.future().add_done_callback(report_exit(self.events, spec.worker_id,
-                                                    spec.incarnation))
+                                                    spec.incarnation, fleet=True))
 
     def restart(self, spec: WorkerSpec, shipment: Shipment) -> None:
         if self._stopped:

@@ -16,13 +16,11 @@ import traceback
 import weakref
 from typing import Any
 
-import ray
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind, _utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from dpex._config import DpexConfig
 from dpex._protocol import Kind
-from dpex._ray_connect import connect_ray
 from dpex._reaper import finalizer_for
 from dpex._spec import ShippedLoader, restores_dataset, stateful_dataset
 from dpex._stats import Latencies, LoaderStats
@@ -32,9 +30,8 @@ from dpex.client._events import Handoff
 from dpex.client._interrupts import held, interruptible
 from dpex.client._launch import plan_launch
 from dpex.client._report import iterator_stats
-from dpex.client._runtime import Runtime
+from dpex.client._runtime import RayRuntimes, Runtimes
 from dpex.client._scheduler import EPOCH_END
-from dpex.client._shipment import ship
 from dpex.client._taken import TakenRecord
 from dpex.client._workers import WorkerProcess
 from dpex.client.resume import Drawing, IteratorPosition, distributed_seed
@@ -50,11 +47,13 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
     """Iterator of a ``DpexDataLoader`` with ``distribute_mode=True, num_workers > 0``;
     ``worker_class`` is the Ray actor class its own workers run (``DpexWorker``);
     ``book``: the loader's :class:`~dpex.client._book.IteratorBook`, which this
-    iterator reports to (it writes nothing into the loader)."""
+    iterator reports to (it writes nothing into the loader); ``runtimes``: the world
+    its workers run in (:class:`~dpex.client._runtime.Runtimes`; Ray's by default)."""
 
     def __init__(self, loader: Any, config: DpexConfig, worker_class: type,
-                 book: IteratorBook) -> None:
+                 book: IteratorBook, runtimes: Runtimes | None = None) -> None:
         super().__init__(loader)
+        runtimes = runtimes if runtimes is not None else RayRuntimes()
         self._book = book
         # How many workers, which one takes the first batch, what each starts from and
         # how batches are seeded: decided in one pure function (_launch.py).
@@ -66,7 +65,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             base_seed=self._base_seed, sampler_seed=distributed_seed(self._index_sampler))
         self._launch = plan
         self._num_workers = plan.num_workers
-        connect_ray(config.head_address)
+        runtimes.connect(config.head_address)
         worker_init_fn = loader.worker_init_fn
         if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
             # As torch: DataPipes are sharded across ranks and workers before worker_init_fn.
@@ -79,7 +78,7 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
         handoff = Handoff()
         number = next(_iterator_ids)
         label = f"iterator {number} of a DpexDataLoader over {type(self._dataset).__name__}"
-        runtime = Runtime(f"dpex-loop-{number}", handoff, config, label, worker_class)
+        runtime = runtimes.make(f"dpex-loop-{number}", handoff, config, label, worker_class)
         # Dropped without being closed: torn down on dpex's reaper thread (see _reaper).
         self._finalizer = weakref.finalize(self, finalizer_for(runtime.close))
         # Resuming: an IterableDataset's workers also pass over what they delivered
@@ -91,8 +90,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                                   iterable and stateful_dataset(self._dataset), plan.shards)
         self._driver = EpochDriver(
             runtime, handoff, config, plan, Seeds(self._base_seed, self._shared_seed),
-            ship=functools.partial(ship, loader, contents, fleet=config.worker_pool is not None),
-            node_id=ray.get_runtime_context().get_node_id(),
+            ship=functools.partial(runtimes.ship, loader, contents,
+                                   config.worker_pool is not None),
+            node_id=runtimes.node_id(), free_resources=runtimes.free_resources,
             prefetch_factor=loader.prefetch_factor,
             in_order=loader.in_order, iterable=iterable, timeout=self._timeout,
             on_stop=self._shutdown_workers, on_scaled=book.scaled)

@@ -28,7 +28,7 @@ def iterator_stats(d: Any, epoch_s: float, batch_latency: dict, wait: bool = Tru
         "data_wait_s": d.wait_s,
         "data_wait_share": d.wait_s / epoch_s if epoch_s > 0 else 0.0,
         "workers_ready": len(d.ready),
-        "workers": sched.workers.stats(time.monotonic(), getattr(d.runtime.workers, "warm", ())),
+        "workers": sched.workers.stats(time.monotonic(), d.runtime.workers.warm),
         "credits_in_flight": sched.in_flight,
         "worker_batch_s": mean(sched.batch_times.copy()),
         "batch_latency": batch_latency,

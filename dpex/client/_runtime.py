@@ -2,13 +2,16 @@
 
 :class:`Runtime` holds them and closes them together (idempotent); :class:`Workers` is
 what a driver asks of a worker group, whoever runs the workers (each start takes the
-iterator's :class:`~dpex.client._shipment.Shipment`).
+iterator's :class:`~dpex.client._shipment.Shipment`). :class:`Runtimes` is what an
+iterator asks of the world its workers run in (connect, ship the loader, make its
+runtime); :class:`RayRuntimes`, Ray's, is the default, and a test's in-process one
+(tests/inprocess.py) runs the real task runner without Ray.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import Any, Protocol
 
 from dpex._addresses import node_address
@@ -20,21 +23,25 @@ from dpex._spec import WorkerSpec
 from dpex.client._events import Handoff, LoopFailure
 from dpex.client._fleet_group import FleetGroup
 from dpex.client._session import TrainerSession
-from dpex.client._shipment import Shipment
-from dpex.client._workers import WorkerGroup
+from dpex.client._shipment import Shipment, ship
+from dpex.client._workers import WorkerGroup, start_hosts_early
 
-__all__ = ["Runtime", "Seeds", "Workers"]
+__all__ = ["RayRuntimes", "Runtime", "Runtimes", "Seeds", "Workers"]
 
 
 class Workers(Protocol):
     """What an iterator's driver asks of its workers, whoever runs them: actors of its
     own (:class:`WorkerGroup`), sessions on a fleet (:class:`FleetGroup`), or an
-    in-memory stand-in (tests/fake_runtime.py). Every method returns at once; a
-    worker's HELLO, batches and end come as events on the queue the group was given
-    (:class:`~dpex.client._events.WorkerHello`, ``WorkerExit``)."""
+    in-memory stand-in (tests/fake_runtime.py, tests/inprocess.py). Every method
+    returns at once; a worker's HELLO, batches and end come as events on the queue the
+    group was given (:class:`~dpex.client._events.WorkerHello`, ``WorkerExit``, whose
+    ``moved`` and ``unplaced`` say what the group knows of an end that is not a death
+    of the worker's own). tests/test_driver.py checks that the driver asks nothing
+    else of a group."""
 
     options: dict  # the actor options, as errors report them
     actors: dict[int, Any]  # each worker id's current actor (handle)
+    warm: Set[int]  # the worker ids served on a host taken from the warm pool (stats())
 
     def start(self, specs: list[WorkerSpec], shipment: Shipment) -> None:
         """Start one worker per spec, each serving the shipped loader."""
@@ -56,6 +63,62 @@ class Workers(Protocol):
 
     def stop(self) -> None:
         """End every worker's session (idempotent)."""
+
+
+class Runtimes(Protocol):
+    """What a dpex iterator asks of the world its workers run in (the loader's
+    constructor asks :meth:`prestart`)."""
+
+    def prestart(self, worker_class: type, num_workers: Any, remote_args: Any,
+                 keep_s: float) -> None:
+        """A loader was built: start what its first iterator will take, if cheap."""
+
+    def connect(self, head_address: str) -> None:
+        """Join (or start) the cluster the workers run on."""
+
+    def node_id(self) -> str:
+        """This process's node."""
+
+    def ship(self, loader: Any, contents: Any, fleet: bool) -> Shipment:
+        """The iterator's shipped loader (pickled once, delivered to each start)."""
+
+    def make(self, name: str, handoff: Handoff, config: DpexConfig, label: str,
+             worker_class: type) -> Any:
+        """The iterator's :class:`Runtime` (loop thread, session, workers)."""
+
+    def free_resources(self) -> dict:
+        """The cluster's free resources (for an error message)."""
+
+
+class RayRuntimes:
+    """Ray's (the default): the workers are actors of the iterator's own, or a fleet's
+    sessions."""
+
+    def prestart(self, worker_class: type, num_workers: Any, remote_args: Any,
+                 keep_s: float) -> None:
+        start_hosts_early(worker_class, num_workers, remote_args, keep_s)
+
+    def connect(self, head_address: str) -> None:
+        from dpex._ray_connect import connect_ray
+
+        connect_ray(head_address)
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def ship(self, loader: Any, contents: Any, fleet: bool) -> Shipment:
+        return ship(loader, contents, fleet=fleet)
+
+    def make(self, name: str, handoff: Handoff, config: DpexConfig, label: str,
+             worker_class: type) -> Runtime:
+        return Runtime(name, handoff, config, label, worker_class)
+
+    def free_resources(self) -> dict:
+        import ray
+
+        return ray.available_resources()
 
 
 class Runtime:

@@ -70,12 +70,13 @@ def holders() -> str:
 
 
 def report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int,
-                 on_host_lost: Any = None) -> Any:
+                on_host_lost: Any = None, *, fleet: bool = False) -> Any:
     """A done-callback for a ``serve`` call: its end (clean or not) as a WorkerExit. A
     hosted worker's session runs in a process of its own, whose death fails the call
     with the host's error; the host's own death (``RayActorError``) loses all its
-    sessions (``host_lost``: not by a fault of their own), and ``on_host_lost()`` is
-    told so that no replacement goes to it."""
+    sessions (moved: not by a fault of their own), and ``on_host_lost()`` is told so
+    that no replacement goes to it. A worker never placed (its node went away) is
+    unplaced; a ``fleet`` worker's clean end (removed by `dpex fleet scale`) is moved."""
     def report(fut: Any) -> None:
         try:
             fut.result()
@@ -83,9 +84,11 @@ def report_exit(events: queue.SimpleQueue, worker_id: int, incarnation: int,
             lost = on_host_lost is not None and isinstance(exc, ray.exceptions.RayActorError)
             if lost:
                 on_host_lost()
-            events.put(WorkerExit(worker_id, exc, incarnation, host_lost=lost))
+            cause = getattr(exc, "cause", None) or exc  # (a RayTaskError's own)
+            events.put(WorkerExit(worker_id, exc, incarnation, moved=lost, unplaced=isinstance(
+                cause, ray.exceptions.ActorUnschedulableError)))
         else:
-            events.put(WorkerExit(worker_id, None, incarnation))
+            events.put(WorkerExit(worker_id, None, incarnation, moved=fleet, unplaced=fleet))
     return report
 
 
