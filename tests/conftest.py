@@ -5,10 +5,11 @@
   starts it for a user: the embedded default, this machine's cores, nothing special.
 - Leaks fail: a test on that instance must stop every worker it started.
 - The tiers (README, Development), chosen per test: ``pytest_collection_modifyitems``
-  marks ``e2e`` a test marked ``slow`` or ``subprocess``, else ``ray`` one that uses the
-  ``ray_session`` fixture (or is marked ``ray``: one that asks for the fixture only in
-  some of its cases); the ``fast`` tier is neither, and ``fast_tier_guard`` makes any
-  process or Ray start there fail, naming the test's missing marker.
+  marks ``e2e`` a test marked ``slow``, else ``ray`` one that uses the ``ray_session``
+  fixture (or is marked ``ray``: one that asks for the fixture only in some of its
+  cases), else ``e2e`` one marked ``subprocess``; the ``fast`` tier is none of them,
+  and ``fast_tier_guard`` makes any process or Ray start there fail, naming the test's
+  missing marker.
 - ``inprocess``: dpex's workers run in this process (tests/inprocess.py: the real task
   runner, no Ray), for the loader's, iterator's and resume's rules in the fast tier.
 - Test datasets are shipped to Ray workers by value, and torch's reference loaders'
@@ -80,15 +81,20 @@ def no_leaked_actors(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tiers as markers, per test: ``e2e`` for a test marked ``slow`` or
-    ``subprocess``, ``ray`` for one on the shared Ray instance (the ``ray_session``
-    fixture, directly or through ``usefixtures``, or a ``ray`` marker); the ``fast``
-    tier is neither (scripts/test.sh fast)."""
+    """The tiers as markers, per test: ``e2e`` for a test marked ``slow``, else ``ray``
+    for one on the shared Ray instance (the ``ray_session`` fixture, directly or through
+    ``usefixtures``, or a ``ray`` marker: torch's worker processes may run beside it),
+    else ``e2e`` for one marked ``subprocess``; the ``fast`` tier is none of them
+    (scripts/test.sh fast)."""
     for item in items:
-        if item.get_closest_marker("slow") or item.get_closest_marker("subprocess"):
+        if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.e2e)
         elif "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+        elif item.get_closest_marker("ray"):
+            pass  # (asks for the shared instance itself)
+        elif item.get_closest_marker("subprocess"):
+            item.add_marker(pytest.mark.e2e)
 
 
 def _refused(what):

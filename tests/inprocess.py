@@ -12,8 +12,9 @@ driver on its queue at once: a task is computed when the trainer sends it.
 
 A worker here runs in the trainer's interpreter, so each one keeps the global state a
 process of its own would have to itself (torch's, Python's and NumPy's RNGs, torch's
-thread count, ``get_worker_info()``): it is swapped in around each of its steps and
-the trainer's put back after. What this does not show, the Ray tier does: processes,
+thread count, ``get_worker_info()``, the environment): it is swapped in around each of
+its steps and the trainer's put back after. A worker that blocks blocks the trainer:
+such tests run on Ray. What this does not show, the Ray tier does: processes,
 placement, sockets and rings, deaths, the warm hosts.
 
 Use: the ``inprocess`` fixture (tests/conftest.py), or ``with workers_in_process():``.
@@ -22,6 +23,7 @@ Use: the ``inprocess`` fixture (tests/conftest.py), or ``with workers_in_process
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,11 +50,15 @@ __all__ = ["InProcess", "workers_in_process"]
 
 def _global_state() -> tuple:
     return (torch.initial_seed(), torch.get_rng_state(), random.getstate(),
-            np.random.get_state(), torch.get_num_threads(), torch_worker._worker_info)
+            np.random.get_state(), torch.get_num_threads(), torch_worker._worker_info,
+            dict(os.environ))
 
 
 def _set_global_state(state: tuple) -> None:
-    seed, rng, py, numpy_state, threads, info = state
+    seed, rng, py, numpy_state, threads, info, environ = state
+    if environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
     torch.manual_seed(seed)  # (initial_seed() too)
     torch.set_rng_state(rng)
     random.setstate(py)
@@ -114,6 +120,7 @@ class _Workers:  # dpex.client._runtime.Workers, running task runners here
         self.handoff, self.receiver = handoff, Receiver(wire)
         self.actors: dict[int, _Worker] = {}
         self.calls: list[tuple] = []
+        self.received = 0  # data messages the workers sent (the session's "received")
 
     def start(self, specs: list, shipment: Shipment) -> None:
         for spec in specs:
@@ -167,6 +174,7 @@ class _Workers:  # dpex.client._runtime.Workers, running task runners here
             out = [self.receiver.decode(worker.step(
                        lambda s=seq, i=indices: runner.run_task(message.epoch, s, i)))
                    for seq, indices in message.tasks]
+            self.received += len(out)
             self.handoff.put(out)
         elif isinstance(message, Control) and message.kind is Kind.RESUME:
             worker.step(lambda: runner.resume(message.payload, epoch=message.epoch))
@@ -186,6 +194,10 @@ class _Session(Session):
         super().__init__(workers)
         self.wire = wire
         self.keys = SessionKeys.new()
+
+    def counters(self) -> dict:
+        return {"received": self.workers.received, "received_in_ring": 0,
+                "security": "in-process", "unroutable": 0, "cuts": 0, "rejected": {}}
 
     async def snapshot(self) -> dict:
         return self.counters()

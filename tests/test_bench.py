@@ -134,7 +134,7 @@ def test_worker_cost_bench_sets_each_loader_beside_torch(tmp_path):
     out = tmp_path / "worker_cost.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_worker_cost.py"), "--quick",
-         "--kinds", "tensor", "--out", str(out)],
+         "--kinds", "tensor", "--setup", "0", "--out", str(out)],  # (no head start to wait)
         capture_output=True, text=True, timeout=380, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     for kind in ("tensor",):  # (one kind: each configuration starts a Ray of its own)

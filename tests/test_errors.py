@@ -114,6 +114,7 @@ def run_python(code, timeout=90, env=None):
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.subprocess
 def test_unreachable_head_address_names_it_quickly():
     t0 = time.monotonic()
     proc = run_python("""
@@ -130,6 +131,7 @@ def test_unreachable_head_address_names_it_quickly():
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.subprocess
 def test_unreachable_ray_address_variable_is_not_replaced_by_a_local_ray():
     proc = run_python("""
         import ray, torch
@@ -144,6 +146,7 @@ def test_unreachable_ray_address_variable_is_not_replaced_by_a_local_ray():
     assert "RAY False" in proc.stdout
 
 
+@pytest.mark.subprocess
 def test_embedded_default_starts_a_local_ray_when_none_runs():
     proc = run_python("""
         import ray, torch
@@ -177,16 +180,20 @@ SECOND_SCRIPT = """
     assert len(list(loader)) == 2
     print("GCS", ray.get_runtime_context().gcs_address, flush=True)
     open(sys.argv[1], "w").close()  # the first script may end now
-    time.sleep(float(sys.argv[2]))  # ... and has ended
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sys.argv[2]):  # ... and has ended (the test says so)
+        assert time.monotonic() < deadline, "the first script did not end"
+        time.sleep(0.05)
     print("AFTER", [b.tolist() for b in loader], flush=True)
     loader.close()
 """
 
 
+@pytest.mark.subprocess
 def test_a_second_script_gets_its_own_ray_and_outlives_the_first(tmp_path):
     """Another script's embedded Ray is not a cluster to join: it ends with that script."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    flag = str(tmp_path / "first-may-end")
+    flag, ended = str(tmp_path / "first-may-end"), str(tmp_path / "first-ended")
 
     def start(code, *args):
         return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
@@ -197,9 +204,10 @@ def test_a_second_script_gets_its_own_ray_and_outlives_the_first(tmp_path):
     try:
         line = first.stdout.readline()  # the first script's Ray is up and its loader ran
         assert line.startswith("GCS"), first.stderr.read()[-3000:]
-        second = start(SECOND_SCRIPT, flag, "8")
+        second = start(SECOND_SCRIPT, flag, ended)
+        assert first.wait(120) == 0
+        open(ended, "w").close()
         out, err = second.communicate(timeout=150)
-        assert first.wait(30) == 0
     finally:
         first.kill()
     assert second.returncode == 0, err[-3000:]

@@ -1,4 +1,10 @@
-"""dpex against torch's DataLoader: same arguments, same seed → same batches, same order."""
+"""dpex against torch's DataLoader: same arguments, same seed → same batches, same order.
+
+dpex's workers run in this process (tests/inprocess.py: the real task runner) unless a
+test is marked ``ray``: those run on the shared Ray instance, a real case of each kind
+(processes, placement, the socket and ring transports, priorities, a worker that
+blocks). A test that runs torch's loader with workers beside is marked ``subprocess``
+(the e2e tier); the rest need neither Ray nor a process (the fast tier)."""
 
 import os
 import time
@@ -8,13 +14,28 @@ import dsets
 import pytest
 import torch
 from dsets import assert_same, epochs
+from inprocess import workers_in_process
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from dpex import DpexDataLoader
 from dpex.client._iterator import RayDataLoaderIter
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
+ON_RAY = pytest.mark.ray
+TORCH_WORKERS = pytest.mark.subprocess  # (torch's loader with its worker processes beside)
+
+
+@pytest.fixture(autouse=True)
+def world(request):
+    """Ray's workers for a test marked ``ray``, else dpex's real task runner in this
+    process."""
+    if request.node.get_closest_marker("ray"):
+        request.getfixturevalue("ray_session")
+        yield
+        return
+    with workers_in_process():
+        yield
 
 
 def compare(dataset, n_epochs=1, seed=0, make_kwargs=dict, **kwargs):
@@ -36,18 +57,22 @@ def seeded_generator():
     return {"generator": torch.Generator().manual_seed(1234)}
 
 
+@TORCH_WORKERS
 @pytest.mark.parametrize("batch_size, drop_last, shuffle", [
-    (1, False, False), (7, False, True), (7, True, True), (16, False, False),
+    (1, False, False), pytest.param(7, False, True, marks=ON_RAY), (7, True, True),
+    (16, False, False),
 ])
 def test_map_style_matches_torch(batch_size, drop_last, shuffle):
     compare(dsets.Squares(50), batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
             num_workers=2, make_kwargs=seeded_generator)
 
 
+@TORCH_WORKERS
 def test_several_epochs_shuffled_from_the_global_rng():
     compare(dsets.Squares(40), n_epochs=3, batch_size=6, shuffle=True, num_workers=3)
 
 
+@ON_RAY
 def test_persistent_workers_match_torch_and_are_reused():
     torch.manual_seed(0)
     loader = DpexDataLoader(dsets.Squares(30), batch_size=4, shuffle=True, num_workers=2,
@@ -64,6 +89,7 @@ def test_persistent_workers_match_torch_and_are_reused():
     loader.close()
 
 
+@TORCH_WORKERS
 @pytest.mark.parametrize("kwargs", [
     {"sampler": dsets.ReversedSampler(30), "batch_size": 4},
     {"batch_sampler": [[3, 1], [0], [29, 28, 27, 2], [5, 5]]},
@@ -75,6 +101,7 @@ def test_samplers_and_collate(kwargs):
     compare(dsets.Squares(30), num_workers=2, make_kwargs=seeded_generator, **kwargs)
 
 
+@TORCH_WORKERS
 def test_getitems_is_used_as_torch_uses_it():
     got = compare(dsets.BatchedSquares(20), batch_size=6, num_workers=2)
     assert list(got[0][0][1]) == ["batched"] * 6  # __getitems__'s marker, not __getitem__'s ids
@@ -89,7 +116,9 @@ def test_len_matches_torch():
     assert len(it) == 7 and len(list(it)) == 7
 
 
-@pytest.mark.parametrize("batch_size, drop_last", [(4, False), (4, True), (None, False)])
+@TORCH_WORKERS
+@pytest.mark.parametrize("batch_size, drop_last", [
+    pytest.param(4, False, marks=ON_RAY), (4, True), (None, False)])
 def test_iterable_dataset_round_robin_like_torch(batch_size, drop_last):
     got = compare(dsets.ShardedRange(37), batch_size=batch_size, drop_last=drop_last,
                   num_workers=3)
@@ -97,11 +126,13 @@ def test_iterable_dataset_round_robin_like_torch(batch_size, drop_last):
     assert set(flat[:, 1].tolist()) == {0, 1, 2}  # every worker contributed
 
 
+@TORCH_WORKERS
 def test_iterable_dataset_with_persistent_workers_over_epochs():
     compare(dsets.ShardedRange(21), n_epochs=2, batch_size=3, num_workers=2,
             persistent_workers=True)
 
 
+@ON_RAY
 @pytest.mark.parametrize("persistent", [False, True])
 def test_worker_info_seeds_and_worker_init_fn(persistent):
     got = compare(dsets.SeedProbe(), n_epochs=2, batch_size=2, num_workers=3,
@@ -115,6 +146,7 @@ def test_worker_info_seeds_and_worker_init_fn(persistent):
         assert batch["init_marker"] == [f"{w},"] * 2  # worker_init_fn ran once in this worker
 
 
+@TORCH_WORKERS
 def test_in_order_false_yields_every_batch():
     kw = {"batch_size": 3, "num_workers": 3}
     expected = list(dsets.torch_loader(dsets.Squares(40), **kw))  # any order: sorted below
@@ -132,6 +164,7 @@ def test_two_loaders_interleaved():
     assert [y[1].tolist() for _, y in pairs] == [list(range(i, i + 5)) for i in range(0, 30, 5)]
 
 
+@ON_RAY
 def test_nine_mib_batches_are_bit_exact():
     got = compare(dsets.Images(192), batch_size=64, num_workers=2)
     assert got[0][0][0].nbytes == 64 * 3 * 224 * 224
@@ -163,6 +196,7 @@ def test_infinite_sampler_is_read_lazily():
     assert sampler.drawn == 10 + 2 * 2
 
 
+@TORCH_WORKERS
 def test_modes_pick_the_right_iterator():
     ds = dsets.Squares(4)
     plain = iter(DpexDataLoader(ds, num_workers=1, multiprocessing_context="forkserver"))
@@ -221,6 +255,7 @@ def test_worker_init_fn_set_after_construction_is_honoured():
     assert {m for b in batches for m in b["init_marker"]} == {"0,", "1,"}
 
 
+@ON_RAY
 def test_pin_memory_without_cuda_warns_like_torch_and_still_loads():
     said = []
     for cls, extra in ((dsets.torch_loader, {}), (DpexDataLoader, {"distribute_mode": True})):
@@ -235,6 +270,7 @@ def test_pin_memory_without_cuda_warns_like_torch_and_still_loads():
         assert not got[0][0].is_pinned()
 
 
+@ON_RAY
 @pytest.mark.skipif(os.geteuid() != 0, reason="raising a process's priority needs CAP_SYS_NICE")
 def test_workers_run_at_the_trainers_priority_not_rays_niceness_15():
     with DpexDataLoader(dsets.Squares(8), batch_size=4, num_workers=2, distribute_mode=True,
@@ -244,6 +280,7 @@ def test_workers_run_at_the_trainers_priority_not_rays_niceness_15():
         assert {info["niceness"] for info in loader._iterator._ready.values()} == {mine}
 
 
+@ON_RAY
 def test_in_order_false_does_not_let_a_stuck_worker_hoard_the_window(tmp_path):
     """torch's rule: with in_order=False a worker gets a task only below its share of
     the window, so the others carry the epoch while worker 0 is stuck."""
@@ -257,6 +294,7 @@ def test_in_order_false_does_not_let_a_stuck_worker_hoard_the_window(tmp_path):
     assert sorted(first + rest) == list(range(40)) and len(rest) == 2
 
 
+@TORCH_WORKERS
 def test_iterdatapipe_shuffles_like_torch_across_epochs():
     from torch.utils.data.datapipes.iter import IterableWrapper
 
@@ -274,6 +312,7 @@ def test_iterdatapipe_shuffles_like_torch_across_epochs():
         assert first != second  # the shuffle differs between epochs
 
 
+@TORCH_WORKERS
 def test_worker_init_fn_error_is_raised_once_and_persistent_workers_recover_like_torch():
     results = []
     for cls, extra in ((dsets.torch_loader, {}), (DpexDataLoader, {"distribute_mode": True})):

@@ -1,5 +1,11 @@
 """Mid-epoch resume with dpex's workers: a resumed run yields exactly torch's
-uninterrupted batches, worker seeds and worker RNG draws included."""
+uninterrupted batches, worker seeds and worker RNG draws included.
+
+dpex's workers run in this process (tests/inprocess.py: the real task runner, its RNG
+records and RNG queries) unless a test is marked ``ray``: a real case of each kind
+runs on the shared Ray instance (and what only processes show: a worker killed, a
+state over the wire's size limit). torch's loader with its worker processes runs
+beside most (``subprocess``: the e2e tier)."""
 
 import os
 import signal
@@ -9,10 +15,23 @@ import dsets
 import pytest
 import torch
 from dsets import assert_same, json_trip, round_trip
+from inprocess import workers_in_process
 
 from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]  # (torch's workers beside)
+ON_RAY = pytest.mark.ray
+
+
+@pytest.fixture(autouse=True)
+def world(request):
+    """Ray's workers for a test marked ``ray``, else dpex's task runner in this process."""
+    if request.node.get_closest_marker("ray"):
+        request.getfixturevalue("ray_session")
+        yield
+        return
+    with workers_in_process():
+        yield
 
 
 def rest_of_epoch(loader, state):
@@ -65,7 +84,7 @@ def interrupted(make, epochs, cut_epoch, cut, make_resumed=None, trip=round_trip
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
-@pytest.mark.parametrize("cut_epoch,cut", [(0, 3), (1, 5)])
+@pytest.mark.parametrize("cut_epoch,cut", [(0, 3), pytest.param(1, 5, marks=ON_RAY)])
 def test_a_resumed_run_is_torchs_uninterrupted_run_rng_draws_included(persistent, cut_epoch,
                                                                       cut):
     ref = probe_loader(dsets.torch_loader, 2, persistent)
@@ -74,7 +93,7 @@ def test_a_resumed_run_is_torchs_uninterrupted_run_rng_draws_included(persistent
     assert_same(want, got, "epochs")
 
 
-@pytest.mark.parametrize("dataset", ["map", "iterable"])
+@pytest.mark.parametrize("dataset", ["map", pytest.param("iterable", marks=ON_RAY)])
 def test_a_mid_epoch_state_through_json_resumes_exactly_rng_draws_included(dataset):
     """torchdata's TestJsonSerDe, with workers: ``json.dumps`` the state mid-epoch and
     resume from ``json.loads`` of it (worker ids come back as strings)."""
@@ -143,7 +162,7 @@ def shards_loader(cls, dataset, persistent, num_workers=2, **kwargs):
 
 @pytest.mark.parametrize("dataset", ["NoisyShards", "PositionedShards"])
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
-@pytest.mark.parametrize("cut_epoch,cut", [(0, 2), (1, 9)])
+@pytest.mark.parametrize("cut_epoch,cut", [(0, 2), pytest.param(1, 9, marks=ON_RAY)])
 def test_an_iterable_dataset_resumes_mid_epoch_exactly(dataset, persistent, cut_epoch, cut):
     # Worker 1's shard (18 items, 6 batches) ends before worker 0's (24 items, 8 batches):
     # batch 9 of epoch 2 comes after worker 1's END was taken.
@@ -170,6 +189,7 @@ def test_a_stateful_iterable_datasets_own_state_travels_in_the_checkpoint():
         w: 3 * shards["workers"][w]["taken"] for w in (0, 1)}
 
 
+@ON_RAY  # (the size limit is the wire's)
 def test_a_worker_state_over_max_message_bytes_is_refused_by_size_not_waited_for():
     """A dataset state larger than the control socket takes was cut by libzmq unseen,
     and state_dict() timed out after 30 s naming nothing."""
@@ -220,6 +240,7 @@ def test_a_worker_whose_shard_ended_before_the_state_gets_no_task_after_it():
     assert_same(want, got, "epoch")
 
 
+@ON_RAY  # (a worker process killed)
 def test_a_state_taken_as_a_worker_dies_comes_at_once_and_resumes_the_batches_exactly():
     ref = probe_loader(dsets.torch_loader, 2, False)
     want = [b["i"].tolist() for b in ref]
