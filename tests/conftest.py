@@ -126,6 +126,20 @@ def fast_tier_guard(request, monkeypatch):
 
 
 @pytest.fixture
+def dpex_workers(request):
+    """Where a test's dpex workers run: on the shared Ray instance for a test marked
+    ``ray`` (a real case of its kind), else in this process (tests/inprocess.py)."""
+    if request.node.get_closest_marker("ray"):
+        request.getfixturevalue("ray_session")
+        yield None
+        return
+    from inprocess import workers_in_process
+
+    with workers_in_process() as world:
+        yield world
+
+
+@pytest.fixture
 def inprocess():
     """dpex's workers in this process (tests/inprocess.py): the real task runner over
     the shipped loader, without Ray; the in-process world, for a test to look into."""

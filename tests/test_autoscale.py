@@ -297,7 +297,7 @@ def test_the_autoscaler_grows_for_a_fast_loop_and_shrinks_for_a_slow_one():
     assert "waited for data" in shrunk["decisions"][-1]["reason"]
 
 
-@ray_only
+@pytest.mark.usefixtures("inprocess")  # (refused before any worker starts)
 def test_an_iterable_dataset_cannot_autoscale_and_says_why():
     loader = DpexDataLoader(dsets.ShardedRange(), num_workers=Autoscale(1, 4),
                             distribute_mode=True)

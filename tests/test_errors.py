@@ -15,7 +15,10 @@ import torch
 from dpex import DatasetNotPicklableError, DpexDataLoader, WorkerStartupError
 from dpex.errors import BatchTooLargeError
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(120)]
+# dpex's workers in this process (tests/inprocess.py) unless a test is marked `ray`: a
+# worker that sleeps or blocks, a node's address, a module the workers cannot import.
+pytestmark = [pytest.mark.usefixtures("dpex_workers"), pytest.mark.timeout(120)]
+ON_RAY = pytest.mark.ray
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +32,7 @@ def take_until_error(loader):
     return got, err.value
 
 
+@ON_RAY
 def test_worker_exception_is_raised_at_torchs_point_with_torchs_type():
     kw = {"batch_size": 2, "num_workers": 2}
     theirs, their_err = take_until_error(dsets.torch_loader(dsets.FailsAt(9), **kw))
@@ -53,6 +57,7 @@ def test_worker_init_fn_exception_is_raised_on_the_first_batch():
     assert "Caught ZeroDivisionError in DataLoader worker process 0" in str(err)
 
 
+@ON_RAY
 def test_timeout_counts_batches_not_worker_start_up():
     loader = DpexDataLoader(dsets.Slow(delay=3.0), batch_size=1, num_workers=1, timeout=1.0,
                             distribute_mode=True)
@@ -62,6 +67,7 @@ def test_timeout_counts_batches_not_worker_start_up():
     assert time.monotonic() - t0 < 30
 
 
+@ON_RAY
 def test_timeout_longer_than_the_liveness_poll_is_honoured_in_full(monkeypatch):
     from dpex.client import _driver
 
@@ -91,6 +97,7 @@ def test_unpicklable_dataset_names_its_type_and_attribute():
     assert "Locked" in str(err.value) and "dataset.lock" in str(err.value)
 
 
+@ON_RAY
 def test_dataset_from_a_module_workers_cannot_import_says_how_to_ship_it(tmp_path, monkeypatch):
     (tmp_path / "dpex_far_module.py").write_text(
         "import torch\n"
@@ -216,6 +223,7 @@ def test_a_second_script_gets_its_own_ray_and_outlives_the_first(tmp_path):
     assert "AFTER [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]" in out
 
 
+@ON_RAY
 def test_slow_worker_init_fn_is_not_a_start_up_failure():
     """As in torch, worker_init_fn runs before the first batch; it is not actor start-up."""
     # Starting the node's host (an actor, its forkserver) takes 1-4 s here and, beside

@@ -7,11 +7,12 @@ from dsets import assert_same
 
 from dpex import DpexDataLoader
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+on_ray = pytest.mark.usefixtures("ray_session")  # (the rings are a Ray node's)
 
 KW = {"batch_size": 8, "num_workers": 2, "collate_fn": dsets.mixed_collate}
 
 
+@on_ray
 def test_batches_through_the_rings_are_torchs():
     expected = list(dsets.torch_loader(dsets.Mixed(), **KW))
     with DpexDataLoader(dsets.Mixed(), distribute_mode=True, **KW) as loader:
@@ -22,6 +23,7 @@ def test_batches_through_the_rings_are_torchs():
     assert stats["received_in_ring"] == stats["received"] == len(expected)
 
 
+@on_ray
 def test_with_the_fast_path_off_batches_take_the_socket():
     expected = list(dsets.torch_loader(dsets.Mixed(), **KW))
     with DpexDataLoader(dsets.Mixed(), distribute_mode=True, shm_ring_bytes=0, **KW) as loader:
@@ -32,6 +34,7 @@ def test_with_the_fast_path_off_batches_take_the_socket():
     assert all(w["transport"].startswith("socket") for w in stats["workers"].values())
 
 
+@on_ray
 def test_a_loop_that_keeps_and_overwrites_every_batch_still_gets_torchs():
     # 1 MiB rings, and the loop keeps all 12 batches of 400 kB: the rings fill up and
     # later batches take the socket; each batch is also scribbled over once checked.

@@ -13,7 +13,11 @@ from dsets import assert_same, pids_alive
 
 from dpex import DpexDataLoader, IteratorClosedError
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
+ON_RAY = pytest.mark.usefixtures("ray_session")  # (actors, threads, sockets: Ray's)
+# What the iterator's face says (closed, a break), with dpex's workers in this process
+# (tests/inprocess.py).
+IN_PROCESS = pytest.mark.usefixtures("inprocess")
 
 
 def dpex_threads():
@@ -49,6 +53,7 @@ def worker_pids(it):
 NO_REUSE = {"warm_worker_timeout": 0}
 
 
+@ON_RAY
 def test_exhausted_iterator_stops_its_actors_and_thread():
     before = len(dpex_threads())
     it = iter(DpexDataLoader(dsets.Squares(10), batch_size=5, num_workers=2, distribute_mode=True,
@@ -59,6 +64,7 @@ def test_exhausted_iterator_stops_its_actors_and_thread():
     assert threads_back_to(before) == before
 
 
+@ON_RAY
 def test_broken_off_and_deleted_iterator_leaves_nothing():
     before = len(dpex_threads())
     loader = DpexDataLoader(dsets.Squares(100), batch_size=2, num_workers=2, distribute_mode=True,
@@ -72,6 +78,7 @@ def test_broken_off_and_deleted_iterator_leaves_nothing():
     assert threads_back_to(before) == before
 
 
+@ON_RAY
 @pytest.mark.parametrize("how", ["close", "with"])
 def test_persistent_workers_end_with_close_or_context_manager(how):
     before = len(dpex_threads())
@@ -92,6 +99,7 @@ def test_persistent_workers_end_with_close_or_context_manager(how):
     assert threads_back_to(before) == before
 
 
+@IN_PROCESS
 def test_a_closed_iterator_says_so():
     loader = DpexDataLoader(dsets.Squares(60), batch_size=3, num_workers=2, distribute_mode=True)
     it = iter(loader)
@@ -102,6 +110,8 @@ def test_a_closed_iterator_says_so():
     assert len(list(loader)) == 20  # a new iterator: the whole epoch
 
 
+@IN_PROCESS
+@pytest.mark.subprocess  # (torch's workers beside)
 @pytest.mark.parametrize("persistent", [False, True])
 def test_break_then_next_epoch_matches_torch(persistent):
     kw = {"batch_size": 3, "shuffle": True, "num_workers": 2, "persistent_workers": persistent}
@@ -116,6 +126,7 @@ def test_break_then_next_epoch_matches_torch(persistent):
     assert_same(runs[0], runs[1])
 
 
+@ON_RAY
 def test_a_training_loop_that_looks_late_still_gets_its_batches():
     """Workers that started while nobody read the queue are not a start-up failure, nor
     are persistent workers idle that long between epochs. (The driver's rule alone, the
@@ -132,6 +143,7 @@ def test_a_training_loop_that_looks_late_still_gets_its_batches():
     loader.close()
 
 
+@ON_RAY
 def test_persistent_loader_starts_afresh_after_its_workers_died():
     from dpex.errors import WorkerDiedError
 
@@ -150,6 +162,7 @@ def test_persistent_loader_starts_afresh_after_its_workers_died():
     loader.close()
 
 
+@ON_RAY
 def test_workers_are_listed_like_torchs_and_end_with_their_iterator():
     """``iterator._workers`` as torch's: process-like handles (PyTorch's own tests use it)."""
     loader = DpexDataLoader(dsets.Squares(40), batch_size=2, num_workers=3,
@@ -167,6 +180,7 @@ def test_workers_are_listed_like_torchs_and_end_with_their_iterator():
         assert not w.is_alive() and w.exitcode == 0
 
 
+@ON_RAY
 def test_a_forked_child_dropping_the_iterator_leaves_the_parents_workers_alone():
     """A child forked while an iterator lives holds a copy of it; when the child drops
     that copy and exits, the parent's workers, sockets and loop thread stay the parent's."""

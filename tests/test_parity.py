@@ -14,28 +14,15 @@ import dsets
 import pytest
 import torch
 from dsets import assert_same, epochs
-from inprocess import workers_in_process
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from dpex import DpexDataLoader
 from dpex.client._iterator import RayDataLoaderIter
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("dpex_workers")]
 ON_RAY = pytest.mark.ray
 TORCH_WORKERS = pytest.mark.subprocess  # (torch's loader with its worker processes beside)
-
-
-@pytest.fixture(autouse=True)
-def world(request):
-    """Ray's workers for a test marked ``ray``, else dpex's real task runner in this
-    process."""
-    if request.node.get_closest_marker("ray"):
-        request.getfixturevalue("ray_session")
-        yield
-        return
-    with workers_in_process():
-        yield
 
 
 def compare(dataset, n_epochs=1, seed=0, make_kwargs=dict, **kwargs):
@@ -132,8 +119,8 @@ def test_iterable_dataset_with_persistent_workers_over_epochs():
             persistent_workers=True)
 
 
-@ON_RAY
-@pytest.mark.parametrize("persistent", [False, True])
+@TORCH_WORKERS
+@pytest.mark.parametrize("persistent", [False, pytest.param(True, marks=ON_RAY)])
 def test_worker_info_seeds_and_worker_init_fn(persistent):
     got = compare(dsets.SeedProbe(), n_epochs=2, batch_size=2, num_workers=3,
                   worker_init_fn=dsets.mark_init, persistent_workers=persistent,
@@ -255,7 +242,7 @@ def test_worker_init_fn_set_after_construction_is_honoured():
     assert {m for b in batches for m in b["init_marker"]} == {"0,", "1,"}
 
 
-@ON_RAY
+@TORCH_WORKERS
 def test_pin_memory_without_cuda_warns_like_torch_and_still_loads():
     said = []
     for cls, extra in ((dsets.torch_loader, {}), (DpexDataLoader, {"distribute_mode": True})):

@@ -196,13 +196,13 @@ def test_with_dpex_workers_a_resume_is_an_uninterrupted_run(inprocess, dataset, 
     conforms(DpexDataLoader, dataset, cut, 2, persistent, DPEX_GAPS | BOTH_GAPS)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("cut", ["mid-epoch", "second-epoch"])
-@pytest.mark.parametrize("dataset", ["map-shuffled-global-rng", "iterable-stateful"])
+@pytest.mark.parametrize("dataset, cut, persistent", [
+    ("map-shuffled-global-rng", "second-epoch", True), ("map-shuffled-global-rng", "mid-epoch", False),
+    ("iterable-stateful", "second-epoch", False), ("iterable-stateful", "mid-epoch", True)])
 def test_with_dpex_workers_on_ray_a_resume_is_an_uninterrupted_run(ray_session, dataset, cut,
                                                                    persistent):
-    """The same on Ray's workers (processes of their own), for two of the datasets (a
-    gap among them) and the two cuts that differ most."""
+    """The same on Ray's workers (processes of their own): both dataset kinds, both
+    cuts, fresh and persistent workers, and a gap among them."""
     conforms(DpexDataLoader, dataset, cut, 2, persistent, DPEX_GAPS | BOTH_GAPS)
 
 
@@ -299,7 +299,7 @@ def test_an_autoscaled_loaders_state_is_plain_data():
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_with_four_workers_a_state_right_after_load_state_dict_is_the_loaded_one(
-        ray_session, persistent):
+        inprocess, persistent):
     """torchdata's contract (StatefulDataLoader.load_state_dict drops its iterator, and
     state_dict() then describes what was loaded) with an iterator already running: 4
     workers, whose iterator, persistent or not, stands elsewhere when the state is loaded."""

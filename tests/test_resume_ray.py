@@ -15,23 +15,12 @@ import dsets
 import pytest
 import torch
 from dsets import assert_same, json_trip, round_trip
-from inprocess import workers_in_process
 
 from dpex import DpexDataLoader, ResumeStateError, UnsupportedError
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]  # (torch's workers beside)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("dpex_workers"),
+              pytest.mark.subprocess]  # (torch's workers beside)
 ON_RAY = pytest.mark.ray
-
-
-@pytest.fixture(autouse=True)
-def world(request):
-    """Ray's workers for a test marked ``ray``, else dpex's task runner in this process."""
-    if request.node.get_closest_marker("ray"):
-        request.getfixturevalue("ray_session")
-        yield
-        return
-    with workers_in_process():
-        yield
 
 
 def rest_of_epoch(loader, state):

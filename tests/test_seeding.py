@@ -15,6 +15,9 @@ from dpex.server._rng import batch_seed, seed_batch
 
 pytestmark = pytest.mark.timeout(300)
 ray_only = pytest.mark.usefixtures("ray_session")
+# dpex's workers in this process (tests/inprocess.py) but for the case marked `ray`
+either = pytest.mark.usefixtures("dpex_workers")
+ON_RAY = pytest.mark.ray
 
 
 def augmented(num_workers, seeding="per_batch", persistent=False, **kwargs):
@@ -51,8 +54,9 @@ def test_per_batch_seeding_outside_dpexs_workers_is_refused_by_name(bad):
                        worker_seeding="per_worker")
 
 
-@ray_only
-@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@either
+@pytest.mark.parametrize("persistent", [False, pytest.param(True, marks=ON_RAY)],
+                         ids=["fresh", "persistent"])
 def test_the_same_augmented_epochs_with_1_2_and_3_workers(persistent):
     runs = {n: epochs(augmented(n, persistent=persistent), 2) for n in (1, 2, 3)}
     for n in (2, 3):
@@ -83,8 +87,8 @@ def test_an_epoch_with_a_worker_killed_mid_way_is_the_same():
     assert_same(want, got)
 
 
-@ray_only
-@pytest.mark.parametrize("persistent,cut_epoch", [(False, 0), (True, 1)],
+@either
+@pytest.mark.parametrize("persistent,cut_epoch", [(False, 0), pytest.param(True, 1, marks=ON_RAY)],
                          ids=["fresh-epoch1", "persistent-epoch2"])
 def test_a_resume_with_another_worker_count_goes_on_exactly(persistent, cut_epoch):
     want = epochs(augmented(2, persistent=persistent), 3)

@@ -66,7 +66,7 @@ def test_the_stall_share_says_which_side_is_slow(slow):
     assert latency["p50_ms"] < 40 if slow == "dataset" else latency["p50_ms"] > 50, latency
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.mark.usefixtures("inprocess")  # (dpex's workers in this process)
 def test_stats_after_a_loop_left_with_break_are_that_iterators():
     loader = DpexDataLoader(dsets.Squares(40, max_sleep=0), batch_size=2, num_workers=2,
                             distribute_mode=True)
