@@ -3,6 +3,7 @@ trainers (separate processes) attaching with worker_pool=NAME."""
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -18,24 +19,65 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TRAINER = os.path.join(raycluster.HERE, "fleet_trainer.py")
 
 
+# `dpex fleet ...` run by dpex.cli's own main in one process that joined the cluster
+# once: a test that looks at a fleet's status again and again (or scales it) does not
+# start an interpreter and join Ray per look (about 2.6 s each here). The console
+# script itself runs where a test is about it (start, stop, an unknown fleet).
+CLI_PROCESS = r"""
+import contextlib, io, json, sys
+from dpex import cli
+cli._connect(sys.argv[1])
+cli._connect = lambda address: None  # (joined once, above)
+print("READY", flush=True)
+for line in sys.stdin:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(json.loads(line))
+    print(json.dumps([code, out.getvalue(), err.getvalue()]), flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
 def cluster():
     # A head with this machine's cores: fleets are detached actors, which need a
     # cluster that outlives the process that starts them (not the embedded default).
     with raycluster.ray_head(num_cpus=os.cpu_count()) as head:
-        yield head
+        address, env = head
+        cli = subprocess.Popen([sys.executable, "-c", CLI_PROCESS, address], env=env,
+                               cwd=raycluster.ROOT, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            assert cli.stdout.readline().strip() == "READY"
+            yield address, env, cli
+        finally:
+            cli.kill()
+            cli.wait(30)
 
 
 DPEX = os.path.join(raycluster.BIN, "dpex")  # the console script a fresh install puts there
 
 
 def dpex_fleet(cluster, *args, check=True, via=(DPEX, "fleet")):
-    address, env = cluster
+    """The console script, as a user runs it."""
+    address, env, _ = cluster
     return raycluster.run([*via, *args, "--address", address], env, check=check)
 
 
+def fleet_cli(cluster, *args, check=True) -> subprocess.CompletedProcess:
+    """`dpex fleet ARGS` in the cluster's CLI process (dpex.cli.main, joined once)."""
+    _, _, cli = cluster
+    cli.stdin.write(json.dumps(["fleet", *args]) + "\n")
+    cli.stdin.flush()
+    ready, _, _ = select.select([cli.stdout], [], [], 240)  # (as raycluster.run's limit)
+    assert ready, f"dpex fleet {args} did not answer within 240 s"
+    code, out, err = json.loads(cli.stdout.readline())
+    if check:
+        assert code == 0, f"{args}\n{out[-3000:]}\n{err[-5000:]}"
+    return subprocess.CompletedProcess(["dpex", "fleet", *args], code, out, err)
+
+
 def trainer(cluster, fleet, *args):
-    address, env = cluster
+    address, env, _ = cluster
     return subprocess.Popen([sys.executable, TRAINER, "--address", address, "--fleet", fleet,
                              *args], env=env, cwd=raycluster.ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -48,7 +90,7 @@ def result(proc, timeout=180):
 
 
 def status_rows(cluster, name):
-    out = dpex_fleet(cluster, "status", "--name", name).stdout
+    out = fleet_cli(cluster, "status", "--name", name).stdout
     rows = [line.split("|")[1:-1] for line in out.splitlines()[2:]]
     return [[c.strip() for c in r] for r in rows]
 
@@ -190,10 +232,11 @@ def test_a_one_worker_fleet_waits_for_ray_to_restart_its_worker(cluster):
         dpex_fleet(cluster, "stop", "--name", "solo", check=False)
 
 
-def scale_down_in_a_slow_fetch(cluster, tmp_path, name, *trainer_args):
+def scale_down_in_a_slow_fetch(cluster, tmp_path, name, *trainer_args, into_fetch_s=0.0):
     """A 3-worker fleet scaled to 1 while the removed busy worker's session is in an 8 s
-    fetch: (what ``dpex fleet scale`` printed, seconds it took, the trainer's stats,
-    the busy workers' status rows, the rows after). The fleet is stopped at the end."""
+    fetch, ``into_fetch_s`` seconds into it: (what ``dpex fleet scale`` printed, seconds
+    it took, the trainer's stats, the busy workers' status rows, the rows after). The
+    fleet is stopped at the end."""
     dpex_fleet(cluster, "start", "--name", name, "--workers", "3", "--cpus-per-worker",
                "0", "--session-timeout", "3")
     try:
@@ -213,8 +256,9 @@ def scale_down_in_a_slow_fetch(cluster, tmp_path, name, *trainer_args):
         while not (tmp_path / "flag.done").exists():  # its session is in the slow fetch
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        time.sleep(into_fetch_s)
         t0 = time.monotonic()
-        out = dpex_fleet(cluster, "scale", "--name", name, "--workers", "1").stdout
+        out = fleet_cli(cluster, "scale", "--name", name, "--workers", "1").stdout
         took = time.monotonic() - t0
         stats = result(proc)["stats"]
         return out, took, stats, busy, status_rows(cluster, name)
@@ -242,7 +286,10 @@ def test_a_session_its_trainer_ends_while_the_fleet_drains_it_leaves_the_worker_
     # moved, and ends it (cancels its serve call) while the fleet worker stops it. The
     # cancel skipped the rest of the worker's clean-up: the child stayed listed, the
     # worker was never idle, and the scale-down killed it after 60 s.
-    out, _, stats, busy, after = scale_down_in_a_slow_fetch(cluster, tmp_path, "slowbk")
+    # (6.5 s into the 8 s fetch: past the straggler limit, 5 s, and the next check, so
+    # the trainer has its backup under way when the fleet starts draining the session)
+    out, _, stats, busy, after = scale_down_in_a_slow_fetch(cluster, tmp_path, "slowbk",
+                                                            into_fetch_s=6.5)
     assert stats["backups"]["won"] >= 1, stats["backups"]
     assert "3 -> 1 workers" in out and "killed" not in out, out
     assert [r[0] for r in after] == [min(r[0] for r in busy)]
@@ -298,7 +345,7 @@ def test_fleet_scale_grows_and_shrinks_and_moved_sessions_cost_no_restart(cluste
     dpex_fleet(cluster, "start", "--name", "elastic", "--workers", "2", "--cpus-per-worker",
                "0", "--session-timeout", "3")
     try:
-        out = dpex_fleet(cluster, "scale", "--name", "elastic", "--workers", "4").stdout
+        out = fleet_cli(cluster, "scale", "--name", "elastic", "--workers", "4").stdout
         assert "2 -> 4 workers" in out and len(status_rows(cluster, "elastic")) == 4
         go = tmp_path / "go"
         # max_worker_restarts=0: a session moved off a removed worker must not count
@@ -306,7 +353,7 @@ def test_fleet_scale_grows_and_shrinks_and_moved_sessions_cost_no_restart(cluste
                        "--wait-file", str(go), "--step-s", "0.02")
         wait_line(proc, "WAITING")
         busy = [r[0] for r in status_rows(cluster, "elastic") if int(r[4]) > 0]
-        out = dpex_fleet(cluster, "scale", "--name", "elastic", "--workers", "1").stdout
+        out = fleet_cli(cluster, "scale", "--name", "elastic", "--workers", "1").stdout
         assert "4 -> 1 workers" in out
         left = [r[0] for r in status_rows(cluster, "elastic")]
         assert len(left) == 1 and left[0] in busy  # idle ones went first
@@ -314,7 +361,7 @@ def test_fleet_scale_grows_and_shrinks_and_moved_sessions_cost_no_restart(cluste
         stats = result(proc)["stats"]
         assert stats["dropped"].get("restarted", 0) >= 1  # (one of its 2 sessions moved)
         # policy mode: an idle fleet shrinks to --min after --patience rounds
-        dpex_fleet(cluster, "scale", "--name", "elastic", "--workers", "3")
+        fleet_cli(cluster, "scale", "--name", "elastic", "--workers", "3")
         out = dpex_fleet(cluster, "autoscale", "--name", "elastic", "--min", "1", "--max", "4",
                          "--interval", "0.2", "--patience", "2", "--rounds", "4").stdout
         assert "scaling to 1" in out and len(status_rows(cluster, "elastic")) == 1
