@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from fake_runtime import Loop, Session, hello
+from fake_runtime import Delivery, Loop, Session, hello
 from torch.utils.data._utils import worker as torch_worker
 
 from dpex import DpexDataLoader
@@ -88,28 +88,16 @@ class _Worker:
             _set_global_state(trainer)
 
 
-class _Delivery:
+class _Delivery(Delivery):
     """The shipped loader's bytes, as dpex._shipfile.Delivery shows them to the driver."""
 
-    node_id, kept, fallbacks = "in-process", False, 0
+    node_id = "in-process"
 
     def __init__(self, data: bytes, digest: bytes) -> None:
-        self.data, self.digest = data, digest
-
-    def lend(self) -> None:
-        return None
+        self.data, self.digest, self.fallbacks = data, digest, 0
 
     def object_ref(self) -> bytes:
         return self.data
-
-    def release_local(self) -> None:
-        pass
-
-    def refuse_local(self) -> None:
-        self.fallbacks += 1
-
-    def closer(self) -> Callable[[], None]:
-        return lambda: None
 
 
 class _Workers:  # dpex.client._runtime.Workers, running task runners here

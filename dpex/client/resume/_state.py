@@ -132,11 +132,6 @@ class ResumeState:
         worker computes other batches, so fresh seeds are as good as any."""
         return self.worker_rng is not None and num_workers == self.worker_rng_num_workers
 
-    def restores_dataset(self, worker_id: int) -> bool:
-        """Whether worker ``worker_id`` resumes its dataset's own state (a stateful
-        IterableDataset's), rather than passing over what it delivered before."""
-        return restores_dataset((self.worker_rng or {}).get(worker_id))
-
     def between_epochs(self) -> ResumeState:
         """This state with each worker's dataset state marked as taken between epochs:
         the resumed worker runs what was left of that epoch (nothing but its end) first,
