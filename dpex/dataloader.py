@@ -17,6 +17,7 @@ from dpex import _process_state  # noqa: F401  (its fallback: the env at dpex im
 from dpex._config import DpexConfig, prefetch_window
 from dpex._protocol import DEFAULT_MAX_MESSAGE_BYTES
 from dpex._shm import DEFAULT_RING_BYTES
+from dpex._start_trace import mark
 from dpex._stats import LoaderStats
 from dpex.client._book import IteratorBook
 from dpex.client.resume import (
@@ -181,6 +182,7 @@ class DpexDataLoader(DataLoader[T_co]):
 
             self._world().prestart(DpexWorker, self.num_workers, self.ray_remote_args,
                                    self.warm_worker_timeout)
+        mark("loader built")
 
     def _complete_lightning_record(self, config: DpexConfig) -> None:
         """Make Lightning's record of this construction include dpex's arguments.
@@ -354,6 +356,7 @@ class DpexDataLoader(DataLoader[T_co]):
         self.__dict__["generator"] = generator  # (DataLoader refuses setting it later)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
+        mark("iter")
         resume: ResumeState | None = self._resume
         if resume is None:
             # The current iterator never drew (its first next() was refused): this one

@@ -34,6 +34,7 @@ from dpex._config import DpexConfig
 from dpex._event_loop import LoopThread
 from dpex._shm import RingRef
 from dpex._spec import WorkerSpec
+from dpex._start_trace import mark
 from dpex._version import local_versions
 from dpex.client._deadlines import Deadlines, Due
 from dpex.client._elastic import Elastic
@@ -116,7 +117,9 @@ class EpochDriver:
             first_batch_timeout=config.startup_timeout,  # (its loading counts)
             hung_timeout=config.hung_batch_timeout, straggler_timeout=config.straggler_timeout)
         try:
+            mark("ship")
             self.shipment = ship()  # (kept: replacements load the same bytes)
+            mark("shipped", bytes=self.shipment.size)
             runtime.open()
             for rec in self.sched.workers.records:
                 rec.spec = WorkerSpec(
@@ -135,6 +138,7 @@ class EpochDriver:
                 time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
                 lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)
             runtime.start(self.specs, self.shipment)
+            mark("workers asked")
         except BaseException:
             runtime.close()
             raise

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpex import _cluster, _placement, _ray_guard
+from dpex._start_trace import mark
 
 __all__ = ["EARLY", "SHARED", "SharedHosts", "host_options", "new_host", "options_key"]
 
@@ -90,6 +91,7 @@ def host_options(ray_remote_args: Mapping[str, Any]) -> dict[str, Any]:
 def new_host(actor_class: Any, options: Mapping[str, Any], node: str | None,
              keep_s: float) -> Any:
     """Start a host actor on ``node`` (its forkserver starts at once)."""
+    mark("host asked")
     options = dict(options)
     if node is not None:
         options["scheduling_strategy"] = _cluster.on_node(node)

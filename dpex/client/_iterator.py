@@ -23,6 +23,7 @@ from dpex._config import DpexConfig
 from dpex._protocol import Kind
 from dpex._reaper import finalizer_for
 from dpex._spec import ShippedLoader, restores_dataset, stateful_dataset
+from dpex._start_trace import mark
 from dpex._stats import Latencies, LoaderStats
 from dpex.client._book import IteratorBook
 from dpex.client._driver import EpochDriver, Seeds
@@ -65,7 +66,9 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
             base_seed=self._base_seed, sampler_seed=distributed_seed(self._index_sampler))
         self._launch = plan
         self._num_workers = plan.num_workers
+        mark("ray connect")
         runtimes.connect(config.head_address)
+        mark("ray connected")
         worker_init_fn = loader.worker_init_fn
         if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
             # As torch: DataPipes are sharded across ranks and workers before worker_init_fn.
@@ -192,6 +195,8 @@ class RayDataLoaderIter(_BaseDataLoaderIter):
                 msg.payload.reraise()
             data = msg.payload
             driver.taken_total += 1
+            if driver.taken_total == 1:
+                mark("first batch")
             if self._pin_memory:
                 data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
             self._latencies.add(msg.ready_ns, time.time_ns())

@@ -16,6 +16,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from dpex._spec import Parcel, WorkerSpec
+from dpex._start_trace import mark, process_started
 from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
 from dpex.server._base_cache import BaseCache, BaseStarter
@@ -91,6 +92,7 @@ class DpexWorker:
 
         Each shipped loader its sessions serve is unpickled once, in a fork base
         (:mod:`dpex.server._fork_base`) those sessions are forked from."""
+        mark("host init", started=process_started())
         self.session_timeout = session_timeout
         self.fleet_setting = fleet_setting
         self.draining = False
@@ -194,6 +196,7 @@ class DpexWorker:
         (``spec.own_process``) runs in a process of its own, see
         :mod:`dpex.server._session_process`. ``stored``: the object store's copy of the
         pickled loader, or None where the trainer's memfd serves (``spec.local``)."""
+        mark("serve", worker=spec.worker_id)
         if self.draining:
             return  # a clean end: the trainer moves the session to a worker that stays
         with self._lock:

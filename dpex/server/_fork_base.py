@@ -95,6 +95,7 @@ from typing import Any
 
 from dpex._shipfile import ShipmentUnavailable, map_shipment
 from dpex._spec import Parcel
+from dpex._start_trace import mark
 from dpex.server._unpickling import UnpicklingWatch
 
 __all__ = ["ForkBase", "BaseUnsafe", "enter_base_state"]
@@ -154,6 +155,7 @@ def _base_main(address: str, alive: Connection, link: Connection,
     made where its sessions read it, :class:`~dpex.server._task_runner.BaseLoad`), say
     there whether it is ready, then fork sessions until ``alive`` reaches its end."""
     global _STATE
+    mark("base forked")
     prepare()  # (as the host started, not as its forkserver did)
     before = set(sys.modules)
     per_worker: str | None = None
@@ -178,6 +180,7 @@ def _base_main(address: str, alive: Connection, link: Connection,
             load.each_worker(data, per_worker)
             gc.collect()  # the trial copy goes (before gc.freeze() would keep it)
     del data  # (a shared loader holds what it needs of it)
+    mark("base loaded")
     threads = _threads()
     if threads > 1 or ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
         link.send(("unsafe", f"{threads} threads ran after it unpickled the loader"))

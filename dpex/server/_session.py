@@ -42,6 +42,7 @@ from dpex._protocol import (
 from dpex._security import ControlFreshness, connect_promptly
 from dpex._shm import RingUnavailable, WorkerRing
 from dpex._spec import Parcel, WorkerSpec
+from dpex._start_trace import mark
 from dpex._version import local_versions
 from dpex.server._control import ConnectionLog, ControlChannel
 from dpex.server._task_runner import TaskRunner
@@ -202,6 +203,7 @@ class SessionServer:
             node = f"{self.placement['node_ip']} ({self.placement['node_id'][:8]})"
             state = TaskRunner(spec, shipped, node, ring)
             session.runner = state
+            mark("session ready", worker=spec.worker_id)
             session.working = (0, IDLE, time.monotonic())
             while not halt.is_set():
                 try:
@@ -229,6 +231,8 @@ class SessionServer:
                     try:
                         send_frames(data, frames, copy=False)
                         self.count(sum(memoryview(f).nbytes for f in frames))
+                        if seq == 0:
+                            mark("batch 0 sent", worker=spec.worker_id)
                         break
                     except zmq.Again:
                         continue

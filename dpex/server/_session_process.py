@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from dpex._spec import PRELOADED, Parcel
+from dpex._start_trace import mark, process_started
 from dpex.server._fork_base import ForkBase, enter_base_state, libraries_since
 from dpex.server._session import SessionServer
 
@@ -133,13 +134,15 @@ def prestart() -> None:
     listed = _preload_file(library_modules())
     if listed is None:
         multiprocessing.forkserver.ensure_running()
-        return
-    ctx.set_forkserver_preload([*_PRELOAD, "dpex.server._forkserver_preload"])
-    os.environ[PRELOAD_LIBRARIES] = listed  # the forkserver starts with this environment
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.pop(PRELOAD_LIBRARIES, None)
+    else:
+        ctx.set_forkserver_preload([*_PRELOAD, "dpex.server._forkserver_preload"])
+        os.environ[PRELOAD_LIBRARIES] = listed  # the forkserver starts with this environment
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.pop(PRELOAD_LIBRARIES, None)
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    mark("forkserver ready", started=process_started(pid) if pid else None, child=pid)
 
 
 def library_modules() -> list[str]:
@@ -308,6 +311,7 @@ def _main(worker_class: type, spec: Any, shipped: Parcel, placement: dict,
           group: int | None = None) -> None:
     """The child: serve one session until it ends, the fleet worker asks, or dies.
     ``group``: its fleet worker's process group, which it joins (see :func:`_join`)."""
+    mark("session forked", worker=spec.worker_id)
     _join(group)
     if start_state is not None:
         restore_state(start_state)  # as the worker started, not as its forkserver did
