@@ -42,13 +42,12 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 import torch
 
 from dpex._pickling import BATCH, OutOfBandPickler, rebuild_ndarray, rebuild_tensor, tensor_bytes
 
-__all__ = ["encode_batch", "decode_batch", "encode_object"]
+__all__ = ["encode_batch", "decode_batch"]
 
 
 def encode_batch(obj: Any) -> list[Any]:
@@ -216,6 +215,3 @@ def _decode_layout(body: memoryview, buffers: Sequence[Any]) -> Any:
     return layout.build(dims, buffers)
 
 
-def encode_object(obj: Any) -> bytes:
-    """Pickle a small control object in-band (cloudpickle, protocol 5)."""
-    return cloudpickle.dumps(obj, protocol=5)

@@ -78,7 +78,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dpex._codec import encode_object
 from dpex.errors import ProtocolError
 
 __all__ = [
@@ -94,6 +93,13 @@ __all__ = [
     "IDLE",
     "LOADING",
 ]
+
+def encode_object(obj: Any) -> bytes:
+    """Pickle a small control object in-band (cloudpickle, protocol 5)."""
+    import cloudpickle  # (a worker host's control plane needs no torch: dpex._codec's does)
+
+    return cloudpickle.dumps(obj, protocol=5)
+
 
 PROTOCOL_VERSION = 10  # 8: PROGRESS; 9: took_us, batches as layouts (dpex._codec); 10: PROGRESS numbered
 _HEADER = struct.Struct("<BB16sIqHIIqI")

@@ -11,12 +11,14 @@ import copy
 import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dpex._protocol import Wire
 from dpex._security import ClientKeys
 from dpex._shipfile import ShipmentRef, ShipmentUnavailable, map_shipment
-from dpex._shm import RingRef
+
+if TYPE_CHECKING:  # (a worker host reads specs without importing torch: _shm does)
+    from dpex._shm import RingRef
 
 __all__ = ["DATASET_ITER_STATE", "DATASET_STATE", "FINISH_EPOCH", "restores_dataset", "PRELOADED", "Parcel", "PickledLoader", "Positioned", "ShippedLoader", "WorkerSpec", "own_state",
            "stateful_dataset"]

@@ -180,8 +180,9 @@ class DpexDataLoader(DataLoader[T_co]):
         if self._distributed and self.worker_pool is None:
             from dpex.server._actor import DpexWorker
 
+            # Ray and the hosts start now, in the background (client/_early.py).
             self._world().prestart(DpexWorker, self.num_workers, self.ray_remote_args,
-                                   self.warm_worker_timeout)
+                                   self.warm_worker_timeout, self.head_address)
         mark("loader built")
 
     def _complete_lightning_record(self, config: DpexConfig) -> None:

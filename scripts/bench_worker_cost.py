@@ -33,8 +33,11 @@ batches, sampled ``--samples`` times, the largest figure kept):
   ``iter()``: dpex's shipped dataset in Ray's object store and its rings;
 - **first batch s**: ``iter()`` to the first batch of the process's first iterator,
   ``--setup`` seconds (default 5: the trainer's own set-up, a model and an optimizer)
-  after the loader was built (dpex starts its worker hosts when the loader is built
-  with Ray running). Memory is read from before the loader is built.
+  after the loader was built (dpex starts its worker hosts when the loader is built).
+  Memory is read from before the loader is built;
+- **no head start s**: the same first batch in another fresh process that builds the
+  loader and iterates at once (a notebook cell, Lightning's ``train_dataloader()``,
+  README's example), as ``scripts/bench_cold_start.py`` measures it link by link.
 
 Then, per loader and dataset: node memory per added worker, (node MiB at the most
 workers - node MiB at the fewest) / (the difference in workers), and the same for
@@ -249,6 +252,10 @@ def run_one(loader_name: str, kind: str, workers: int, mib: int, batches: int,
     next(it)
     out["first_batch_s"] = time.perf_counter() - t
     out["load_1min"] = os.getloadavg()[0]  # (a shared machine's other work slows it)
+    if samples == 0:  # (the first batch alone: no head start, see spawn)
+        if loader_name == "dpex":
+            loader.close()
+        return out
     for _ in range(batches - 1):
         next(it)
     readings = []
@@ -292,14 +299,17 @@ def run_one(loader_name: str, kind: str, workers: int, mib: int, batches: int,
 
 # -- the parent: runs, tables, plot ---------------------------------------------------
 
-def spawn(loader_name: str, kind: str, workers: int, args: argparse.Namespace) -> dict:
+def spawn(loader_name: str, kind: str, workers: int, args: argparse.Namespace,
+          at_once: bool = False) -> dict:
     """One configuration in a fresh process (its own session: on a timeout the whole
-    group, Ray's processes included, is killed)."""
+    group, Ray's processes included, is killed); ``at_once``: only the first batch,
+    the loader iterated as soon as it is built."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.setdefault("PYTHONPATH", ROOT)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", loader_name, kind,
            str(workers), "--mib", str(args.mib), "--batches", str(args.batches),
-           "--samples", str(args.samples), "--setup", str(args.setup)]
+           "--samples", "0" if at_once else str(args.samples),
+           "--setup", "0" if at_once else str(args.setup)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
     try:
@@ -334,7 +344,8 @@ COLUMNS = (("node_mib", "node MiB", "{:.0f}"), ("tree_pss_mib", "own PSS +MiB", 
            ("workers_pss_mib", "workers' PSS MiB", "{:.0f}"),
            ("workers_uss_mib", "workers' USS MiB", "{:.0f}"),
            ("trainer_rss_mib", "trainer RSS +MiB", "{:.0f}"),
-           ("shmem_mib", "Shmem +MiB", "{:.0f}"), ("first_batch_s", "first batch s", "{:.2f}"))
+           ("shmem_mib", "Shmem +MiB", "{:.0f}"), ("first_batch_s", "first batch s", "{:.2f}"),
+           ("first_batch_at_once_s", "no head start s", "{:.2f}"))
 
 
 def tables(results: dict, kinds: list[str], counts: list[int]) -> str:
@@ -348,8 +359,11 @@ def tables(results: dict, kinds: list[str], counts: list[int]) -> str:
             for name in LOADERS:
                 r, cells = results[name][kind][n], []
                 for key, _, fmt in COLUMNS:
+                    if key not in r:
+                        cells.append("-")
+                        continue
                     cell = fmt.format(r[key])
-                    if name != "torch" and key == "first_batch_s":
+                    if name != "torch" and key.startswith("first_batch"):
                         cell += f" (×{r[key] / max(t[key], 1e-6):.0f})"
                     elif name != "torch" and key != "shmem_mib":
                         cell += f" ({r[key] - t[key]:+.0f})"
@@ -461,13 +475,16 @@ def main() -> None:
             step += 1
             t = time.perf_counter()
             r = results[name][kind][n] = spawn(name, kind, n, args)
+            if args.setup > 0:  # beside it: no head start, in a fresh process of its own
+                r["first_batch_at_once_s"] = spawn(name, kind, n, args, True)["first_batch_s"]
             ray = f", Ray start {r['ray_start_s']:.1f} s" if "ray_start_s" in r else ""
             print(f"[{step}/{total}] {name}, {kind} ({r['items']:,} items, "
                   f"{r['dataset_rss_mib']:.0f} MiB), {n} workers: node +{r['node_mib']:.0f} "
                   f"MiB, own PSS +{r['tree_pss_mib']:.0f} MiB, workers' PSS "
                   f"{r['workers_pss_mib']:.0f} MiB ({r['worker_processes']} processes), "
                   f"trainer +{r['trainer_rss_mib']:.0f} MiB, first batch "
-                  f"{r['first_batch_s']:.2f} s (load {r['load_1min']:.1f}){ray} "
+                  f"{r['first_batch_s']:.2f} s ({r.get('first_batch_at_once_s', 0):.2f} s "
+                  f"with no head start; load {r['load_1min']:.1f}){ray} "
                   f"({time.perf_counter() - t:.0f} s, {time.perf_counter() - started:.0f} s "
                   "in all)", file=sys.stderr, flush=True)
     loads = [r["load_1min"] for name in LOADERS for kind in args.kinds

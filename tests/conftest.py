@@ -122,6 +122,12 @@ def fast_tier_guard(request, monkeypatch):
     monkeypatch.setattr(os, "fork", _refused("forked"))
     monkeypatch.setattr(os, "posix_spawn", _refused("spawned a process"))
     monkeypatch.setattr(ray, "init", _refused("started Ray"))
+    # A dpex loader's construction begins joining Ray on a thread (client/_early.py),
+    # which could outlive the test and this guard: here it begins nothing (iter()
+    # still connects, and is refused above).
+    from dpex.client import _early
+
+    monkeypatch.setattr(_early.EARLY, "begin", lambda *args, **kwargs: None)
     yield
 
 

@@ -11,6 +11,7 @@ runtime); :class:`RayRuntimes`, Ray's, is the default, and a test's in-process o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Set
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ from dpex._event_loop import LoopThread
 from dpex._protocol import Wire
 from dpex._security import wire_security
 from dpex._spec import WorkerSpec
+from dpex.client._early import EARLY
 from dpex.client._events import Handoff, LoopFailure
 from dpex.client._fleet_group import FleetGroup
 from dpex.client._session import TrainerSession
@@ -27,6 +29,8 @@ from dpex.client._shipment import Shipment, ship
 from dpex.client._workers import WorkerGroup, start_hosts_early
 
 __all__ = ["RayRuntimes", "Runtime", "Runtimes", "Seeds", "Workers"]
+
+_EARLY_WAIT_S = 300.0  # at most, for the start the loader's constructor began
 
 
 class Workers(Protocol):
@@ -70,8 +74,9 @@ class Runtimes(Protocol):
     constructor asks :meth:`prestart`)."""
 
     def prestart(self, worker_class: type, num_workers: Any, remote_args: Any,
-                 keep_s: float) -> None:
-        """A loader was built: start what its first iterator will take, if cheap."""
+                 keep_s: float, head_address: str) -> None:
+        """A loader was built: start what its first iterator will take, in the
+        background (never blocks, never raises)."""
 
     def connect(self, head_address: str) -> None:
         """Join (or start) the cluster the workers run on."""
@@ -95,12 +100,14 @@ class RayRuntimes:
     sessions."""
 
     def prestart(self, worker_class: type, num_workers: Any, remote_args: Any,
-                 keep_s: float) -> None:
-        start_hosts_early(worker_class, num_workers, remote_args, keep_s)
+                 keep_s: float, head_address: str) -> None:
+        EARLY.begin(head_address, functools.partial(
+            start_hosts_early, worker_class, num_workers, remote_args, keep_s))
 
     def connect(self, head_address: str) -> None:
         from dpex._ray_connect import connect_ray
 
+        EARLY.wait(head_address, _EARLY_WAIT_S)  # (the loader's constructor began it)
         connect_ray(head_address)
 
     def node_id(self) -> str:

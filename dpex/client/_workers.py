@@ -350,9 +350,10 @@ class WorkerGroup:
 
 def start_hosts_early(worker_class: type, num_workers: Any,
                       ray_remote_args: Mapping[str, Any], keep_s: float) -> None:
-    """A loader built while Ray runs: start the hosts its first iterator will take now,
-    while the trainer sets up its model (an actor and its forkserver take seconds);
-    they wait in the warm pool. Never fails the loader's construction."""
+    """A loader was built (and Ray joined, client/_early.py): start the hosts its first
+    iterator will take now, while the trainer sets up its model (an actor and its
+    forkserver take seconds); they wait in the warm pool. Never fails the loader's
+    construction."""
     try:
         if not ray.is_initialized():
             return

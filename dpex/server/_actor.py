@@ -22,11 +22,11 @@ from dpex.errors import WorkerStartupError
 from dpex.server._base_cache import BaseCache, BaseStarter
 from dpex.server._fork_base import ForkBase
 from dpex.server._node_bases import NodeBases
-from dpex.server._session import Session, SessionServer
 from dpex.server._session_process import SessionProcess, SessionWorker, prestart
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
+    from dpex.server._session import Session, SessionServer
 
 __all__ = ["DpexWorker"]
 
@@ -93,6 +93,9 @@ class DpexWorker:
         Each shipped loader its sessions serve is unpickled once, in a fork base
         (:mod:`dpex.server._fork_base`) those sessions are forked from."""
         mark("host init", started=process_started())
+        self._forkserver: threading.Thread | None = None
+        if fleet or host:  # first: the forkserver imports torch while this sets up
+            self._start_forkserver()
         self.session_timeout = session_timeout
         self.fleet_setting = fleet_setting
         self.draining = False
@@ -106,9 +109,7 @@ class DpexWorker:
         self._lock = threading.Lock()
         self._counters = {"sessions_served": 0, "batches_sent": 0, "bytes_sent": 0,
                           "control_rejected": 0}
-        self._forkserver: threading.Thread | None = None
-        self._server = SessionServer(self.placement, session_timeout, self._count,
-                                     self._count_rejected, self._sessions, self._computes)
+        self._in_process: SessionServer | None = None  # (made when first serving here)
         # (A fleet's workers serve other trainers: none forks from libraries that
         # another trainer's dataset imported.)
         # A fleet's workers of one node share one base per dataset (_node_bases).
@@ -116,8 +117,6 @@ class DpexWorker:
         self._starter = BaseStarter(self._ray_view, share_libraries=not fleet,
                                     node=self._node)
         self._bases = BaseCache(self._starter.start)  # fork bases by shipment digest
-        if fleet or host:
-            self._start_forkserver()
 
     def _start_forkserver(self) -> None:
         """Start the forkserver in the background (imports torch and Ray: seconds), once."""
@@ -205,9 +204,22 @@ class DpexWorker:
         if spec.own_process:
             await self._serve_in_child(spec, shipped)
         else:
-            await self._server.serve(spec, shipped)
+            await self._server().serve(spec, shipped)
+
+    def _server(self) -> SessionServer:
+        """The server of the sessions this actor runs itself (a worker that is no host:
+        torch is imported here, not at the actor's start)."""
+        if self._in_process is None:
+            from dpex.server._session import SessionServer
+
+            self._in_process = SessionServer(
+                self.placement, self.session_timeout, self._count, self._count_rejected,
+                self._sessions, self._computes)
+        return self._in_process
 
     async def _serve_in_child(self, spec: WorkerSpec, shipped: Parcel) -> None:
+        from dpex.server._session import Session
+
         loop = asyncio.get_running_loop()
         session = Session()
         self._sessions.add(session)

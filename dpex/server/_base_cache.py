@@ -38,7 +38,6 @@ from dpex._spec import Parcel
 from dpex.server._fork_base import BaseUnsafe, ForkBase
 from dpex.server._node_bases import NodeBases, Published
 from dpex.server._session_process import START_STATE, mp_context, restore_state
-from dpex.server._task_runner import BASE_LOAD
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
@@ -213,6 +212,8 @@ class BaseStarter:
         return self._start(key, shipped)
 
     def _start(self, key: str, shipped: Parcel) -> ForkBase | None:
+        from dpex.server._task_runner import BASE_LOAD  # (torch: not at the host's start)
+
         base = ForkBase(mp_context(), key, parent=self._library_base())
         try:
             base.start(shipped, self._prepare(), BASE_LOAD)

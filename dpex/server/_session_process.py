@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 from dpex._spec import PRELOADED, Parcel
 from dpex._start_trace import mark, process_started
 from dpex.server._fork_base import ForkBase, enter_base_state, libraries_since
-from dpex.server._session import SessionServer
 
 if TYPE_CHECKING:
     from dpex._ray_connect import JobView
@@ -45,7 +44,9 @@ __all__ = ["START_STATE", "SessionProcess", "SessionWorker", "mp_context", "pres
            "restore_state"]
 
 COUNTERS = ("batches_sent", "bytes_sent", "control_rejected")
-_PRELOAD = ["ray", "dpex.server._actor"]  # what every session would import again
+# What every session would import again: Ray, the host's modules and the session's
+# (torch among them; the host itself imports torch only once it serves).
+_PRELOAD = ["ray", "dpex.server._actor", "dpex.server._session"]
 PRELOAD_LIBRARIES = "DPEX_FORKSERVER_PRELOAD"  # 0: the forkserver imports only _PRELOAD
 STOP_GRACE_S = 15.0  # the session's own clean-up waits 10 s at most for its fetch
 
@@ -355,6 +356,8 @@ class SessionWorker:
     def __init__(self, placement: dict, session_timeout: float, counts: Any) -> None:
         self.placement = {**placement, "session_pid": os.getpid()}
         self._counts = counts  # COUNTERS order: batches, bytes, control rejected
+        from dpex.server._session import SessionServer  # (the forkserver imported it)
+
         self._server = SessionServer(self.placement, session_timeout, self._count,
                                      self._count_rejected)
 

@@ -1,0 +1,144 @@
+"""What a loader's construction starts for its first iterator: Ray (joined, or the
+embedded default started) and then the worker hosts, on one background thread, so
+that the constructor returns at once and the start runs beside the trainer's own
+set-up (its model, its optimizer) and the dataset's pickling at ``iter()``.
+
+``iter()`` waits for that start (:meth:`EarlyStart.wait`) before it connects; a start
+that failed is raised there, as the iterator's own connection would have raised it.
+
+The thread that started Ray lives as long as Ray is connected: Ray's own processes
+(the embedded default's GCS, raylet, ...) are started with ``PR_SET_PDEATHSIG``, which
+the kernel fires when the *thread* that started them ends, not the process. It waits
+for the next loader's start meanwhile, and ends once ``ray.shutdown()`` ran.
+Call ``ray.init()`` before building a loader to give Ray options of your own: built
+first, the loader has already joined or started Ray (README, "Example").
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dpex._start_trace import mark
+
+logger = logging.getLogger("dpex")
+
+__all__ = ["EARLY", "EarlyStart"]
+
+# Ray says so when ray.init() runs off the main thread; dpex sets the same handler
+# itself (see EarlyStart.begin), so the warning would only mislead.
+_RAY_SIGTERM_WARNING = "SIGTERM handler is not set"
+
+
+class _DropSigtermWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_RAY_SIGTERM_WARNING)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(signum)  # (as ray.init() sets it on the main thread: atexit ends Ray)
+
+
+_PARK_S = 1.0  # how often a parked start thread looks whether Ray was shut down
+
+
+class EarlyStart:
+    """This process's background start: one thread at a time, which connects to Ray and
+    then runs what loaders built meanwhile asked for (their hosts), in order."""
+
+    def __init__(self, connect: Callable[[str], None], initialized: Callable[[], bool],
+                 park_s: float = _PARK_S) -> None:
+        self._connect, self._initialized, self._park_s = connect, initialized, park_s
+        self._lock = threading.Condition()
+        self._pending: list[tuple[str, Callable[[], None]]] = []
+        self._thread: threading.Thread | None = None
+        self._failed: dict[str, BaseException] = {}  # by head address, raised at iter()
+
+    def begin(self, head_address: str, then: Callable[[], None]) -> None:
+        """Connect to ``head_address`` (unless Ray is connected) and then run ``then``,
+        in the background; never raises."""
+        if self._initialized():
+            _quietly(then)
+            return
+        if threading.current_thread() is threading.main_thread():
+            try:  # what ray.init() does on the main thread, which this start is not on
+                if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            except (ValueError, OSError):
+                pass
+        with self._lock:
+            self._pending.append((head_address, then))
+            self._lock.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dpex-early-start",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                # Parked while Ray runs (see the module's docstring); new work wakes it.
+                while not self._pending and self._initialized():
+                    self._lock.wait(self._park_s)
+                if not self._pending:
+                    self._thread = None
+                    return
+                head_address, then = self._pending[0]
+            if self._joined(head_address):
+                _quietly(then)
+            with self._lock:
+                self._pending.pop(0)
+                self._lock.notify_all()
+
+    def _joined(self, head_address: str) -> bool:
+        ray_logger = logging.getLogger("ray._private.worker")
+        quiet = _DropSigtermWarning()
+        ray_logger.addFilter(quiet)
+        try:
+            mark("ray start")
+            self._connect(head_address)
+            mark("ray up")
+            return True
+        except BaseException as exc:  # (raised at iter(), where it would have been)
+            logger.debug("dpex: the early start of Ray failed", exc_info=True)
+            with self._lock:
+                self._failed[head_address] = exc
+            return False
+        finally:
+            ray_logger.removeFilter(quiet)
+
+    def wait(self, head_address: str, timeout: float) -> None:
+        """Until what loaders asked for so far is done (at most ``timeout`` s); raise
+        what the start met connecting to ``head_address``, if Ray is still not
+        connected."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._pending, timeout)
+            failed = self._failed.pop(head_address, None)
+        if failed is not None and not self._initialized():
+            raise failed
+
+
+def _quietly(then: Callable[[], None]) -> None:
+    try:
+        then()
+    except Exception:  # only an early start: the iterator starts its hosts itself
+        logger.debug("dpex: could not start worker hosts early", exc_info=True)
+
+
+def _connect(head_address: str) -> None:
+    from dpex._ray_connect import connect_ray
+
+    connect_ray(head_address)
+
+
+def _initialized() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+EARLY = EarlyStart(_connect, _initialized)

@@ -1,0 +1,120 @@
+"""A loader's construction starts Ray and its hosts on a background thread
+(dpex/client/_early.py): the rules, with a fake Ray (the real start is the ray and e2e
+tiers' first iterators)."""
+
+import logging
+import signal
+import threading
+
+import pytest
+
+from dpex.client._early import EarlyStart, _DropSigtermWarning
+
+
+class FakeRay:
+    def __init__(self, fail: BaseException | None = None, gate: threading.Event | None = None):
+        self.up, self.fail, self.gate = False, fail, gate
+        self.connects: list[str] = []
+
+    def connect(self, head: str) -> None:
+        self.connects.append(head)
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if self.fail is not None:
+            raise self.fail
+        self.up = True
+
+    def initialized(self) -> bool:
+        return self.up
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_kept():
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_with_ray_connected_the_hosts_start_at_once_on_the_callers_thread():
+    ray = FakeRay()
+    ray.up = True
+    ran = []
+    EarlyStart(ray.connect, ray.initialized).begin("auto", lambda: ran.append(
+        threading.current_thread()))
+    assert ran == [threading.current_thread()] and ray.connects == []
+
+
+def test_the_constructor_returns_before_ray_is_up_and_iter_waits_for_it():
+    gate = threading.Event()
+    ray = FakeRay(gate=gate)
+    early = EarlyStart(ray.connect, ray.initialized)
+    ran = []
+    early.begin("auto", lambda: ran.append("first loader's hosts"))
+    early.begin("auto", lambda: ran.append("second loader's hosts"))
+    assert ran == [] and not ray.up  # (Ray is still starting: begin() did not wait)
+    waiter = threading.Thread(target=early.wait, args=("auto", 10.0))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # iter() waits for the start ...
+    gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and ray.up  # ... and goes on once it is done
+    assert ran == ["first loader's hosts", "second loader's hosts"]  # in order, once each
+    assert ray.connects[0] == "auto"
+
+
+def test_a_failed_start_is_raised_at_iter_for_its_address_and_starts_no_hosts():
+    ray = FakeRay(fail=RuntimeError("cannot reach the Ray cluster at 10.0.0.1:6379"))
+    early = EarlyStart(ray.connect, ray.initialized)
+    ran = []
+    early.begin("10.0.0.1:6379", lambda: ran.append("hosts"))
+    with pytest.raises(RuntimeError, match="cannot reach"):
+        early.wait("10.0.0.1:6379", 10.0)
+    assert ran == []
+    early.wait("10.0.0.1:6379", 10.0)  # raised once: iter() connects itself next time
+    early.wait("auto", 10.0)  # another address: not its failure
+
+
+def test_a_hosts_start_that_fails_never_reaches_the_caller():
+    ray = FakeRay()
+    ray.up = True
+
+    def broken():
+        raise OSError("no")
+
+    EarlyStart(ray.connect, ray.initialized).begin("auto", broken)  # (logged at debug)
+
+
+def test_sigterm_exits_cleanly_as_ray_init_would_set_it_on_the_main_thread():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ray = FakeRay()
+    early = EarlyStart(ray.connect, ray.initialized)
+    early.begin("auto", lambda: None)
+    early.wait("auto", 10.0)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert callable(handler)
+    with pytest.raises(SystemExit):
+        handler(signal.SIGTERM, None)
+
+
+def test_a_users_own_sigterm_handler_is_kept():
+    def mine(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, mine)
+    ray = FakeRay()
+    early = EarlyStart(ray.connect, ray.initialized)
+    early.begin("auto", lambda: None)
+    early.wait("auto", 10.0)
+    assert signal.getsignal(signal.SIGTERM) is mine
+
+
+def test_rays_warning_about_the_thread_is_dropped_and_nothing_else():
+    quiet = _DropSigtermWarning()
+
+    def record(msg):
+        return logging.LogRecord("ray._private.worker", logging.WARNING, "", 0, msg, (), None)
+
+    assert not quiet.filter(record("SIGTERM handler is not set because current thread "
+                                   "is not the main thread."))
+    assert quiet.filter(record("Started a local Ray instance."))
