@@ -58,24 +58,26 @@ class PickleParts:
     """A pickled loader as its parts (bytes-like, not joined) and the Ray object refs
     pickled in it; ``nbytes`` in all, ``out_of_band`` of them its buffers'."""
 
-    __slots__ = ("parts", "nbytes", "refs", "out_of_band")
+    __slots__ = ("parts", "nbytes", "refs", "out_of_band", "libraries")
 
     def __init__(self, parts: Iterable[Any], refs: Iterable[Any] = (),
-                 out_of_band: int = 0) -> None:
+                 out_of_band: int = 0, libraries: tuple[str, ...] = ()) -> None:
         self.parts = [memoryview(part).cast("B") for part in parts]
         self.nbytes = sum(part.nbytes for part in self.parts)
         self.refs = tuple(refs)
         self.out_of_band = out_of_band
+        self.libraries = libraries  # installed libraries its classes and functions are of
 
     @classmethod
     def framed(cls, data: bytes, buffers: list[Any], refs: Iterable[Any] = (),
-               trainer: dict | None = None) -> PickleParts:
+               trainer: dict | None = None, libraries: tuple[str, ...] = ()) -> PickleParts:
         """The parts of a shipment: the frame of the pickle ``data``, the ``trainer``'s
         state (JSON-ready, :meth:`~dpex._process_state.TrainerState.head`) and the
         out-of-band ``buffers`` (each a :class:`pickle.PickleBuffer`), padded so that
         every buffer starts at a multiple of :data:`ALIGN`."""
         return cls(_frame(data, buffers, trainer), refs=refs,
-                   out_of_band=sum(buffer.raw().nbytes for buffer in buffers))
+                   out_of_band=sum(buffer.raw().nbytes for buffer in buffers),
+                   libraries=libraries)
 
     @property
     def in_band(self) -> int:

@@ -246,6 +246,9 @@ class WorkerSpec:
     # host's sessions of the same one fork from one process that holds it unpickled
     # (dpex.server._fork_base).
     shipment: str | None = None
+    # The installed libraries the shipped loader's classes and functions are of: its
+    # host imports them in its library base before the shipment's base forks from it.
+    libraries: tuple[str, ...] = ()
     # The shipment this one replaces (its loader's dataset changed): a host keeps no
     # fork base of it idle.
     replaces: str | None = None

@@ -35,13 +35,18 @@ def _sigterm_kept():
     signal.signal(signal.SIGTERM, before)
 
 
-def test_with_ray_connected_the_hosts_start_at_once_on_the_callers_thread():
+def test_with_ray_connected_the_hosts_start_on_the_thread_and_iter_waits_for_them():
     ray = FakeRay()
     ray.up = True
-    ran = []
-    EarlyStart(ray.connect, ray.initialized).begin("auto", lambda: ran.append(
-        threading.current_thread()))
-    assert ran == [threading.current_thread()] and ray.connects == []
+    ran, gate = [], threading.Event()
+    early = EarlyStart(ray.connect, ray.initialized)
+    early.begin("auto", lambda: (gate.wait(10), ran.append(threading.current_thread())))
+    assert ran == []  # the constructor returned at once
+    gate.set()
+    early.wait("auto", 10.0)
+    assert ran and ran[0] is not threading.current_thread() and ray.connects == []
+    ran[0].join(5.0)
+    assert not ran[0].is_alive()  # (it did not start Ray: nothing to live for)
 
 
 def test_the_constructor_returns_before_ray_is_up_and_iter_waits_for_it():

@@ -167,3 +167,24 @@ def test_a_memfd_of_another_size_is_refused_before_it_is_mapped():
     with pytest.raises(OSError, match="holds 3 bytes, not 4"):
         map_shipment(longer)  # a mapping past the file's end would fault on access
     file.close()
+
+
+def test_a_shipment_names_the_installed_libraries_its_classes_and_functions_are_of():
+    """What a host's library base imports before the dataset's base forks from it: an
+    installed library's function or class (pluggy's, standing for Lightning's
+    worker_init_fn), not the standard library's, torch's (every forkserver has it) or
+    the script's own."""
+    import colorsys
+    import functools
+
+    import pluggy
+
+    def own(worker_id):  # (the script's own: travels by value)
+        pass
+
+    parts = ship_loader(ShippedLoader(
+        dataset=[pluggy.HookimplMarker("x"), colorsys.rgb_to_hsv, torch.ones(3)],
+        dataset_kind=0, auto_collation=True, collate_fn=None, drop_last=False,
+        worker_init_fn=functools.partial(own)))
+    assert set(parts.libraries) == {pluggy.HookimplMarker.__module__}  # (pluggy._decorators)
+    assert shipped(torch.arange(10)).libraries == ()  # (no host pays a library base)

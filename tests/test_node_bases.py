@@ -192,3 +192,41 @@ def test_a_new_datasets_base_forks_from_a_library_base_holding_what_earlier_ones
         for base in (first, second, starter._parent):
             if base is not None:
                 base.stop()
+
+
+def test_the_libraries_a_shipment_names_are_imported_once_before_its_base():
+    """The trainer names the installed libraries its pickle's classes and functions are
+    of (Lightning's worker_init_fn); the library base imports them before the first
+    dataset's base forks from it: that base imports nothing again, nor does a later
+    one, and a package that is new is added by forking a new library base from the old
+    one, which then ends."""
+    starter = BaseStarter(None)
+    starter.learn(["colorsys"])
+    first = starter.start("aa" * 16, Parcel(bytes(shipped([1, 2, 3]))))
+    library = starter._parent
+    bases = [first, library]
+    try:
+        assert library is not None and first is not None
+        assert "colorsys" not in first.libraries  # (the library base had imported it)
+        ctx = mp_context()
+        mine, theirs = ctx.Pipe()
+        proc = first.process(target=imported, args=(theirs, ["colorsys", "wave"]), daemon=True)
+        proc.start()
+        theirs.close()
+        assert mine.poll(60), "the session never answered"
+        assert mine.recv() == {"colorsys": True, "wave": False}
+        proc.join(10)
+        starter.learn(["colorsys"])  # nothing new: the same library base
+        bases.append(starter.start("bb" * 16, Parcel(bytes(shipped([4])))))
+        assert starter._parent is library
+        starter.learn(["wave"])  # a new package: a new library base, forked from the old
+        bases.append(starter.start("cc" * 16, Parcel(bytes(shipped([5])))))
+        assert starter._parent is not library and starter._parent_has >= {"colorsys", "wave"}
+        bases.append(starter._parent)
+        # Replaced: told to end (it does once the bases forked from it have ended).
+        assert library._alive is None
+        assert first.alive()
+    finally:
+        for base in bases:
+            if base is not None:
+                base.stop()

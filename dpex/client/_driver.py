@@ -133,7 +133,8 @@ class EpochDriver:
                     own_process=config.worker_pool is not None,
                     rng_state=plan.rng_state(rec.id), rng_keep=plan.rng_keep,
                     batch_seeds=plan.batch_seeds, sample_seed=plan.sample_seed,
-                    replaces=self.shipment.replaced, shipment=self.shipment.digest)
+                    replaces=self.shipment.replaced, shipment=self.shipment.digest,
+                    libraries=self.shipment.libraries)
             self.deadlines = Deadlines(  # (from here: pickling is no worker's start-up)
                 time.monotonic(), timeout=timeout, startup_timeout=config.startup_timeout,
                 lost_every=_LOST_CHECK_S, placement_grace=_PLACEMENT_GRACE_S, poll=_POLL_S)

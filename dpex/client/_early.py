@@ -57,14 +57,13 @@ class EarlyStart:
         self._pending: list[tuple[str, Callable[[], None]]] = []
         self._thread: threading.Thread | None = None
         self._failed: dict[str, BaseException] = {}  # by head address, raised at iter()
+        self._started_ray = False  # whether the thread connected this process to Ray
 
     def begin(self, head_address: str, then: Callable[[], None]) -> None:
         """Connect to ``head_address`` (unless Ray is connected) and then run ``then``,
-        in the background; never raises."""
-        if self._initialized():
-            _quietly(then)
-            return
-        if threading.current_thread() is threading.main_thread():
+        in the background (Ray's first actor start in a process takes ~0.3 s: not the
+        constructor's); never raises."""
+        if not self._initialized() and threading.current_thread() is threading.main_thread():
             try:  # what ray.init() does on the main thread, which this start is not on
                 if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
                     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -81,11 +80,12 @@ class EarlyStart:
     def _run(self) -> None:
         while True:
             with self._lock:
-                # Parked while Ray runs (see the module's docstring); new work wakes it.
-                while not self._pending and self._initialized():
+                # Parked while the Ray it connected runs (see the module's docstring);
+                # new work wakes it.
+                while not self._pending and self._started_ray and self._initialized():
                     self._lock.wait(self._park_s)
                 if not self._pending:
-                    self._thread = None
+                    self._thread, self._started_ray = None, False
                     return
                 head_address, then = self._pending[0]
             if self._joined(head_address):
@@ -95,6 +95,8 @@ class EarlyStart:
                 self._lock.notify_all()
 
     def _joined(self, head_address: str) -> bool:
+        if self._initialized():
+            return True
         ray_logger = logging.getLogger("ray._private.worker")
         quiet = _DropSigtermWarning()
         ray_logger.addFilter(quiet)
@@ -102,6 +104,8 @@ class EarlyStart:
             mark("ray start")
             self._connect(head_address)
             mark("ray up")
+            with self._lock:
+                self._started_ray = True
             return True
         except BaseException as exc:  # (raised at iter(), where it would have been)
             logger.debug("dpex: the early start of Ray failed", exc_info=True)

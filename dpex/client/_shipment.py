@@ -107,7 +107,7 @@ def ship(loader: Any, contents: ShippedLoader, *, fleet: bool = False,
                         on_stored=stored, keep=not seen.before)
     reused = seen.previous == digest
     replaced = seen.previous.hex() if seen.previous is not None and not reused else None
-    return Shipment(delivery, reused, len(parts), replaced)
+    return Shipment(delivery, reused, len(parts), replaced, parts.libraries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +124,9 @@ class Shipment:
     # The digest of the loader's previous shipment where the dataset changed: hosts drop
     # what they hold of it (it is never served again).
     replaced: str | None = None
+    # The installed libraries its classes and functions are of: a host imports them in
+    # its library base, which the dataset's base is forked from (one import for all).
+    libraries: tuple[str, ...] = ()
 
     @property
     def digest(self) -> str:

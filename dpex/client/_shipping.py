@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import sys
+import sysconfig
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -25,7 +28,7 @@ from dpex._ray_connect import load_ray_handle, ray_handle_reducer
 from dpex._spec import ShippedLoader
 from dpex.errors import DatasetNotPicklableError
 
-__all__ = ["ship_loader", "find_unpicklable"]
+__all__ = ["ship_loader", "find_unpicklable", "installed_libraries"]
 
 
 def _object_ref_in_band(ref: Any) -> tuple:
@@ -53,11 +56,15 @@ class _ShipPickler(OutOfBandPickler):
     ``buffers``), and Ray's object refs (pickled in band, collected in ``refs``) and
     actor handles (which Ray pickles)."""
 
-    def __init__(self, file: io.BytesIO, refs: list, buffers: list) -> None:
+    def __init__(self, file: io.BytesIO, refs: list, buffers: list,
+                 modules: dict[str, None] | None = None) -> None:
         super().__init__(file, buffers, SHIPMENT)
         self.refs = refs
+        self.modules = {} if modules is None else modules  # of the classes and functions
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
+            self.modules[getattr(obj, "__module__", None) or ""] = None
         if isinstance(obj, ray.ObjectRef):
             self.refs.append(obj)
             return _object_ref_in_band(obj)
@@ -65,13 +72,38 @@ class _ShipPickler(OutOfBandPickler):
         return reduced if reduced is not None else super().reducer_override(obj)
 
 
-def _dumps(obj: Any, refs: list | None = None, buffers: list | None = None) -> bytes:
+def _dumps(obj: Any, refs: list | None = None, buffers: list | None = None,
+           modules: dict[str, None] | None = None) -> bytes:
     """``obj`` pickled for a worker; the object refs in it are appended to ``refs``,
-    its large buffers (out of band) to ``buffers``."""
+    its large buffers (out of band) to ``buffers``, the modules of its classes and
+    functions to ``modules``."""
     buf = io.BytesIO()
     _ShipPickler(buf, [] if refs is None else refs,
-                 [] if buffers is None else buffers).dump(obj)
+                 [] if buffers is None else buffers, modules).dump(obj)
     return buf.getvalue()
+
+
+# Imported by every host's forkserver (with what they import): no library base for them.
+_EVERY_FORKSERVER_HAS = frozenset({"torch", "numpy", "ray", "zmq", "cloudpickle", "dpex"})
+
+
+def installed_libraries(modules: Iterable[str]) -> tuple[str, ...]:
+    """The modules among ``modules`` a host imports in its *library base* before it
+    forks the dataset's base from it (docs/WARM_WORKERS.md): those of installed
+    libraries (site-packages: Lightning's ``worker_init_fn``, transformers' tokenizer
+    classes), not the standard library (quick to import), the user's own code or
+    ``__main__``, nor what every forkserver has imported."""
+    paths = sysconfig.get_paths()
+    roots = tuple({os.path.join(os.path.realpath(paths[k]), "")
+                   for k in ("purelib", "platlib") if k in paths})
+    found = []
+    for name in modules:
+        if not name or name.partition(".")[0] in _EVERY_FORKSERVER_HAS:
+            continue
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(file, str) and os.path.realpath(file).startswith(roots):
+            found.append(name)
+    return tuple(found)
 
 
 _MAX_DEPTH = 6
@@ -168,9 +200,10 @@ def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
     and how to make it travel. The variable names that travel are logged once."""
     refs: list = []
     buffers: list = []
+    modules: dict[str, None] = {}
     try:
         with _spawned_script_by_value():
-            loader_bytes = _dumps(contents, refs, buffers)
+            loader_bytes = _dumps(contents, refs, buffers, modules)
     except Exception as exc:
         for name in ("dataset", "collate_fn", "worker_init_fn"):
             obj = getattr(contents, name)
@@ -187,4 +220,5 @@ def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
         raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc
     state = capture(fleet=fleet) if state is None else state
     _say_environment(state)
-    return PickleParts.framed(loader_bytes, buffers, refs=refs, trainer=state.head())
+    return PickleParts.framed(loader_bytes, buffers, refs=refs, trainer=state.head(),
+                              libraries=installed_libraries(modules))

@@ -230,6 +230,7 @@ class DpexWorker:
             if self._node is not None and spec.shipment is not None:
                 use = await loop.run_in_executor(None, self._node.use, spec.shipment)
             self._bases.forget(spec.replaces)  # a changed dataset's: not kept idle
+            self._starter.learn(spec.libraries)  # (its base forks from them, imported)
             try:
                 base = await self._bases.base_for(spec.shipment, shipped)
             except LookupError as exc:

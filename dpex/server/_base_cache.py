@@ -31,7 +31,7 @@ import functools
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dpex._spec import Parcel
@@ -177,21 +177,33 @@ class BaseStarter:
         self._lock = threading.Lock()  # (bases start on executor threads)
         self._libraries: dict[str, None] = {}  # in import order
         self._parent: ForkBase | None = None
-        self._parent_has = 0  # how many of _libraries it imported
+        self._parent_has: set[str] = set()  # the top-level packages it imported
         self._refused = not share_libraries
+
+    def learn(self, names: Iterable[str]) -> None:
+        """A shipment's classes and functions are of these installed libraries (the
+        trainer found them as it pickled): the library base imports them before the
+        shipment's own base is forked from it, so that they are imported once for all
+        of this host's bases, not once in the first and again in the library base."""
+        with self._lock:
+            if not self._refused:
+                self._libraries.update(dict.fromkeys(names))
+
+    def _new_packages(self) -> bool:
+        return any(name.partition(".")[0] not in self._parent_has for name in self._libraries)
 
     def _prepare(self) -> Any:
         return functools.partial(_prepare_base, self._ray_view, list(sys.path))
 
     def _library_base(self) -> ForkBase | None:
         with self._lock:
-            if self._refused or len(self._libraries) == self._parent_has:
+            # (a submodule of a package it imported: a base imports it on its own, cheaply)
+            if self._refused or not self._new_packages():
                 return self._parent
             names = list(self._libraries)
             old, self._parent = self._parent, None
-        if old is not None:
-            old.stop()  # (the bases forked from it live on)
-        parent = ForkBase(mp_context(), "libraries")
+        # Forked from the one it replaces: only what is new is imported.
+        parent = ForkBase(mp_context(), "libraries", parent=old)
         try:
             parent.start(Parcel("\n".join(names).encode()), self._prepare(), _import_libraries,
                          watch=False)
@@ -200,8 +212,12 @@ class BaseStarter:
             with self._lock:
                 self._refused = True
             return None
+        finally:
+            if old is not None:
+                old.stop()  # (the bases forked from it live on)
         with self._lock:
-            self._parent, self._parent_has = parent, len(names)
+            self._parent = parent
+            self._parent_has = {name.partition(".")[0] for name in names}
         return parent
 
     def start(self, key: str, shipped: Parcel) -> ForkBase | Published | None:
