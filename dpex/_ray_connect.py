@@ -14,7 +14,7 @@ import ray
 from dpex.errors import RayConnectionError
 
 __all__ = ["JobView", "connect_ray", "join_on_first_call", "load_ray_handle",
-           "ray_handle_reducer", "would_start_embedded", "worker_job_view"]
+           "ray_handle_reducer", "worker_job_view"]
 
 _lock = threading.Lock()
 _REACH_TIMEOUT_S = 10.0
@@ -60,15 +60,6 @@ def connect_ray(head_address: str = "auto") -> None:
             _start_embedded()
             return
         _join(head_address, f"head_address={head_address!r}")
-
-
-def would_start_embedded(head_address: str) -> bool:
-    """Whether :func:`connect_ray` would start the embedded default (so the workers would
-    share this machine's cores), judged without connecting."""
-    if ray.is_initialized() or head_address not in ("auto", "", None):
-        return False
-    explicit = os.environ.get("RAY_ADDRESS", "")
-    return not (explicit and explicit != "auto") and _started_cluster() is None
 
 
 def _started_cluster() -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -209,7 +211,7 @@ class DpexDataLoader(DataLoader[T_co]):
     def _world(self) -> Any:
         if self._runtimes is not None:
             return self._runtimes
-        from dpex.client._runtime import RayRuntimes  # (imports Ray)
+        from dpex.client._ray_runtimes import RayRuntimes  # (imports nothing heavy)
 
         return RayRuntimes()
 
@@ -297,16 +299,17 @@ class DpexDataLoader(DataLoader[T_co]):
     def check_worker_number_rationality(self) -> None:
         """torch's warning when ``num_workers`` exceeds the CPUs the workers can use: this
         machine's for torch's loader and for dpex's embedded default, the Ray cluster's
-        for dpex's on a cluster (known once this process is connected to Ray)."""
+        for dpex's on a cluster (known once this process is connected to Ray: at
+        ``iter()``; before, a loader that will start or join Ray on its own judges by this
+        machine, without importing Ray)."""
         if not self._distributed:
             super().check_worker_number_rationality()
             return
-        import ray
-
-        from dpex._ray_connect import would_start_embedded
-
-        if not ray.is_initialized():
-            if would_start_embedded(self.head_address) and not self.worker_pool:
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            explicit = os.environ.get("RAY_ADDRESS", "") not in ("", "auto")
+            if self.head_address in ("auto", "", None) and not explicit \
+                    and not self.worker_pool:
                 super().check_worker_number_rationality()  # the workers will share this machine
             return
         cpus = int(ray.cluster_resources().get("CPU", 0))

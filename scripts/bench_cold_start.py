@@ -51,7 +51,9 @@ ONLY = ("ray", "noray", "readme", "lightning")
 BATCH, WORKERS = 64, 2
 # The chain's rows: a process and the marks that bound its bar (dpex/_start_trace.py).
 LINKS = (  # (row, label, from mark, to mark; "a|b": a, else b)
-    ("trainer", "Ray start", "ray start|ray connect", "ray up|ray connected"),
+    # Ray's start, on the start thread since the loader was built (issue 50), in iter()
+    # before; with Ray running, iter()'s wait for that thread's host start.
+    ("trainer", "connect", "ray start|ray connect", "ray up|ray connected"),
     ("trainer", "pickle", "ship", "shipped"),
     ("trainer", "wait", "workers asked", "first batch"),
     ("host", "host actor", "@host", "host init"),  # (from when it was asked for)
@@ -143,7 +145,6 @@ def traced(args: list[str], timeout: float) -> dict:
         time.sleep(1.0)  # (the last marks of processes that end after the trainer)
         with open(env[TRACE_ENV]) as f:
             result["trace"] = [json.loads(line) for line in f if line.strip()]
-    result["chain"] = chain(result["trace"])
     return result
 
 
@@ -290,10 +291,10 @@ def tables(results: dict, mib: int) -> str:
               "| configuration | " + " | ".join(label for _, label, _, _ in LINKS) + " |",
               "|---|" + "---:|" * len(LINKS)]
     for key, runs in results.items():
-        traced_runs = [r for r in runs["dpex"] if "chain" in r]
+        traced_runs = [r for r in runs["dpex"] if "trace" in r]
         if not traced_runs:
             continue
-        bars = {b["label"]: b for b in traced_runs[0]["chain"]}
+        bars = {b["label"]: b for b in chain(traced_runs[0]["trace"])}
         cells = []
         for _, label, _, _ in LINKS:
             b = bars.get(label)
@@ -335,7 +336,7 @@ def plot(results: dict, before: dict | None, path: str) -> None:
 
     panels = [(label, key, runs) for label, res in (("before", before), ("now", results))
               if res for key, runs in res.items()
-              if any("chain" in r for r in runs.get("dpex", []))]
+              if any("trace" in r for r in runs.get("dpex", []))]
     if not panels:
         return
     rows = list(dict.fromkeys(row for row, _, _, _ in LINKS))
@@ -344,8 +345,8 @@ def plot(results: dict, before: dict | None, path: str) -> None:
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 1.9 * len(panels) + 0.6),
                              sharex=True, squeeze=False)
     for ax, (label, key, runs) in zip(axes[:, 0], panels, strict=True):
-        run = next(r for r in runs["dpex"] if "chain" in r)
-        for b in run["chain"]:
+        run = next(r for r in runs["dpex"] if "trace" in r)
+        for b in chain(run["trace"]):
             y = rows.index(b["row"])
             ax.barh(y, b["end"] - b["start"], left=b["start"], color=colors[b["label"]],
                     height=0.6)
@@ -373,6 +374,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--before", help="an earlier run's JSON, whose chains are drawn above")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "cold_start.json"))
+    p.add_argument("--replot", action="store_true",
+                   help="no runs: the tables and plot again from --out's JSON")
     p.add_argument("--child", nargs=4, metavar=("LOADER", "KIND", "RAY", "MIB"),
                    help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -381,7 +384,13 @@ def main() -> None:
         print("RESULT " + json.dumps(child_first_batch(name, kind, ray_running == "1",
                                                        int(mib))), flush=True)
         return
-    results = run_all(args)
+    if args.replot:
+        with open(args.out) as f:
+            saved = json.load(f)
+        results, args.mib, args.repeats = saved["results"], saved["args"]["mib"], \
+            saved["args"]["repeats"]
+    else:
+        results = run_all(args)
     print(f"{args.mib} MiB datasets, batch {BATCH}, {WORKERS} persistent workers, the "
           f"loader built and iterated at once, every run a fresh process; "
           f"{os.cpu_count()} cores, {args.repeats} run(s) each (medians)\n")
@@ -391,9 +400,10 @@ def main() -> None:
         with open(args.before) as f:
             before = json.load(f)["results"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"date": datetime.date.today().isoformat(), "cores": os.cpu_count(),
-                   "args": vars(args), "results": results}, f, indent=1)
+    if not args.replot:
+        with open(args.out, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "cores": os.cpu_count(),
+                       "args": vars(args), "results": results}, f, indent=1)
     plot(results, before, os.path.splitext(os.path.abspath(args.out))[0] + ".png")
 
 

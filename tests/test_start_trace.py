@@ -52,7 +52,7 @@ def test_the_bench_reads_the_marks_of_each_process_into_links():
              rec(3.3, 4, "session forked", 0.0), rec(3.35, 4, "batch 0 sent", 0.04),
              rec(3.4, 1, "first batch", 2.3)]
     bars = {b["label"]: b for b in bench_cold_start.chain(trace)}
-    assert "Ray start" not in bars  # (not marked: Ray ran before)
+    assert "connect" not in bars  # (not marked: Ray ran before)
     assert abs(bars["pickle"]["start"] - 0.2) < 1e-9 and abs(bars["pickle"]["cpu"] - 0.1) < 1e-9
     assert abs(bars["host actor"]["start"] - 0.1) < 1e-9  # from when it was asked for
     assert abs(bars["host actor"]["cpu"] - 1.2) < 1e-9  # (its whole process's)

@@ -140,9 +140,8 @@ def _connect(head_address: str) -> None:
 
 
 def _initialized() -> bool:
-    import ray
-
-    return ray.is_initialized()
+    ray = sys.modules.get("ray")  # (not imported: not connected; the constructor's
+    return ray is not None and ray.is_initialized()  # check imports nothing)
 
 
 EARLY = EarlyStart(_connect, _initialized)

@@ -30,8 +30,9 @@ from dpex.client._driver import EpochDriver, Seeds
 from dpex.client._events import Handoff
 from dpex.client._interrupts import held, interruptible
 from dpex.client._launch import plan_launch
+from dpex.client._ray_runtimes import RayRuntimes
 from dpex.client._report import iterator_stats
-from dpex.client._runtime import RayRuntimes, Runtimes
+from dpex.client._runtime import Runtimes
 from dpex.client._scheduler import EPOCH_END
 from dpex.client._taken import TakenRecord
 from dpex.client._workers import WorkerProcess

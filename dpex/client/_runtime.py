@@ -4,14 +4,13 @@
 what a driver asks of a worker group, whoever runs the workers (each start takes the
 iterator's :class:`~dpex.client._shipment.Shipment`). :class:`Runtimes` is what an
 iterator asks of the world its workers run in (connect, ship the loader, make its
-runtime); :class:`RayRuntimes`, Ray's, is the default, and a test's in-process one
+runtime); :class:`~dpex.client._ray_runtimes.RayRuntimes`, Ray's, is the default, and a test's in-process one
 (tests/inprocess.py) runs the real task runner without Ray.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Set
 from typing import Any, Protocol
 
@@ -21,16 +20,13 @@ from dpex._event_loop import LoopThread
 from dpex._protocol import Wire
 from dpex._security import wire_security
 from dpex._spec import WorkerSpec
-from dpex.client._early import EARLY
 from dpex.client._events import Handoff, LoopFailure
 from dpex.client._fleet_group import FleetGroup
 from dpex.client._session import TrainerSession
-from dpex.client._shipment import Shipment, ship
-from dpex.client._workers import WorkerGroup, start_hosts_early
+from dpex.client._shipment import Shipment
+from dpex.client._workers import WorkerGroup
 
-__all__ = ["RayRuntimes", "Runtime", "Runtimes", "Seeds", "Workers"]
-
-_EARLY_WAIT_S = 300.0  # at most, for the start the loader's constructor began
+__all__ = ["Runtime", "Runtimes", "Seeds", "Workers"]
 
 
 class Workers(Protocol):
@@ -93,39 +89,6 @@ class Runtimes(Protocol):
 
     def free_resources(self) -> dict:
         """The cluster's free resources (for an error message)."""
-
-
-class RayRuntimes:
-    """Ray's (the default): the workers are actors of the iterator's own, or a fleet's
-    sessions."""
-
-    def prestart(self, worker_class: type, num_workers: Any, remote_args: Any,
-                 keep_s: float, head_address: str) -> None:
-        EARLY.begin(head_address, functools.partial(
-            start_hosts_early, worker_class, num_workers, remote_args, keep_s))
-
-    def connect(self, head_address: str) -> None:
-        from dpex._ray_connect import connect_ray
-
-        EARLY.wait(head_address, _EARLY_WAIT_S)  # (the loader's constructor began it)
-        connect_ray(head_address)
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def ship(self, loader: Any, contents: Any, fleet: bool) -> Shipment:
-        return ship(loader, contents, fleet=fleet)
-
-    def make(self, name: str, handoff: Handoff, config: DpexConfig, label: str,
-             worker_class: type) -> Runtime:
-        return Runtime(name, handoff, config, label, worker_class)
-
-    def free_resources(self) -> dict:
-        import ray
-
-        return ray.available_resources()
 
 
 class Runtime:
