@@ -6,7 +6,6 @@ import dataclasses
 import inspect
 import logging
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -22,6 +21,7 @@ from dpex._shm import DEFAULT_RING_BYTES
 from dpex._start_trace import mark
 from dpex._stats import LoaderStats
 from dpex.client._book import IteratorBook
+from dpex.client._early import ray_connected
 from dpex.client.resume import (
     IndexView,
     LoaderView,
@@ -179,13 +179,17 @@ class DpexDataLoader(DataLoader[T_co]):
             self.in_order = in_order
         if not recorded_before:
             self._complete_lightning_record(config)
+        self._start_early()
+        mark("loader built")
+
+    def _start_early(self) -> None:
+        """Ray and the hosts start now, in the background (client/_early.py): when the
+        loader is built, and in a rank it was pickled into (``mp.spawn``, ``ddp_spawn``)."""
         if self._distributed and self.worker_pool is None:
             from dpex.server._actor import DpexWorker
 
-            # Ray and the hosts start now, in the background (client/_early.py).
             self._world().prestart(DpexWorker, self.num_workers, self.ray_remote_args,
                                    self.warm_worker_timeout, self.head_address)
-        mark("loader built")
 
     def _complete_lightning_record(self, config: DpexConfig) -> None:
         """Make Lightning's record of this construction include dpex's arguments.
@@ -234,6 +238,7 @@ class DpexDataLoader(DataLoader[T_co]):
         self.__dict__.update(state)
         self.__dict__["_iterator"] = None  # torch's slot for a persistent iterator
         self._reset_runtime_state()
+        self._start_early()
 
     @classmethod
     def from_loader(cls, loader: DataLoader, **dpex_arguments: Any) -> DpexDataLoader:
@@ -305,13 +310,14 @@ class DpexDataLoader(DataLoader[T_co]):
         if not self._distributed:
             super().check_worker_number_rationality()
             return
-        ray = sys.modules.get("ray")
-        if ray is None or not ray.is_initialized():
+        if not ray_connected():
             explicit = os.environ.get("RAY_ADDRESS", "") not in ("", "auto")
             if self.head_address in ("auto", "", None) and not explicit \
                     and not self.worker_pool:
                 super().check_worker_number_rationality()  # the workers will share this machine
             return
+        import ray
+
         cpus = int(ray.cluster_resources().get("CPU", 0))
         if self.num_workers > cpus:
             warnings.warn(

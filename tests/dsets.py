@@ -743,3 +743,122 @@ class BlockedFromSecondBatch(Dataset):
             if self.calls == 2:
                 threading.Event().wait()  # forever
         return torch.tensor([i])
+
+
+# -- datasets holding open handles (issue 51): opened on first use, touched in the trainer
+
+
+class RecordFile(Dataset):
+    """Fixed-size records read from a file it keeps open (seek, then read): with one
+    file description shared by several processes, a read could land at another's
+    offset. Item ``i``: the record's bytes as a tensor."""
+
+    RECORD = 16
+
+    def __init__(self, path: str, n: int) -> None:
+        self.path, self.n, self.f = path, n, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.f is None:
+            self.f = open(self.path, "rb")  # noqa: SIM115 - kept open, as such datasets do
+        self.f.seek(i * self.RECORD)
+        return torch.frombuffer(bytearray(self.f.read(self.RECORD)), dtype=torch.uint8)
+
+
+class SqliteIndex(Dataset):
+    """Rows of an sqlite3 table, the connection opened on first use and kept."""
+
+    def __init__(self, path: str, n: int, read_only: bool = True) -> None:
+        self.path, self.n, self.read_only, self.db = path, n, read_only, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.db is None:
+            import sqlite3
+
+            self.db = (sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+                       if self.read_only else sqlite3.connect(self.path))
+        x, y = self.db.execute("select x, y from rows where i = ?", (i,)).fetchone()
+        return torch.tensor([i, x, y], dtype=torch.float64)
+
+
+class H5Rows(Dataset):
+    """Rows of an HDF5 dataset, the file (and the dataset) opened on first use and kept."""
+
+    def __init__(self, path: str, n: int) -> None:
+        self.path, self.n, self.f, self.rows = path, n, None, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.f is None:
+            import h5py
+
+            self.f = h5py.File(self.path, "r")
+            self.rows = self.f["rows"]
+        return torch.from_numpy(self.rows[i].copy())
+
+
+class LmdbRows(Dataset):
+    """Values of an LMDB environment opened read-only on first use and kept."""
+
+    def __init__(self, path: str, n: int) -> None:
+        self.path, self.n, self.env = path, n, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.env is None:
+            import lmdb
+
+            self.env = lmdb.open(self.path, readonly=True, lock=False)
+        with self.env.begin() as txn:
+            return torch.frombuffer(bytearray(txn.get(b"%08d" % i)), dtype=torch.uint8)
+
+
+def write_handle_data(kind: str, where: str, n: int) -> str:
+    """The file a handle dataset of ``kind`` reads (made once under ``where``)."""
+    import numpy as np
+
+    if kind == "file":
+        path = os.path.join(where, "records.bin")
+        with open(path, "wb") as f:
+            for i in range(n):
+                f.write(bytes((i * 7 + j) % 251 for j in range(RecordFile.RECORD)))
+    elif kind == "sqlite":
+        import sqlite3
+
+        path = os.path.join(where, "index.db")
+        with sqlite3.connect(path) as db:
+            db.execute("create table rows (i integer primary key, x real, y real)")
+            db.executemany("insert into rows values (?, ?, ?)",
+                           [(i, i * 0.5, i % 7) for i in range(n)])
+        db.close()
+    elif kind == "h5py":
+        import h5py
+
+        path = os.path.join(where, "rows.h5")
+        with h5py.File(path, "w") as f:
+            f["rows"] = np.arange(n * 4, dtype=np.float32).reshape(n, 4)
+    else:
+        import lmdb
+
+        path = os.path.join(where, "rows.lmdb")
+        env = lmdb.open(path, map_size=1 << 24)
+        with env.begin(write=True) as txn:
+            for i in range(n):
+                txn.put(b"%08d" % i, bytes((i + j) % 256 for j in range(8)))
+        env.close()
+    return path
+
+
+def handle_dataset(kind: str, path: str, n: int) -> Dataset:
+    return {"file": RecordFile, "sqlite": SqliteIndex, "h5py": H5Rows,
+            "lmdb": LmdbRows}[kind](path, n)

@@ -4,6 +4,7 @@ tiers' first iterators)."""
 
 import logging
 import signal
+import sys
 import threading
 
 import pytest
@@ -52,7 +53,7 @@ def test_with_ray_connected_the_hosts_start_on_the_thread_and_iter_waits_for_the
 def test_the_constructor_returns_before_ray_is_up_and_iter_waits_for_it():
     gate = threading.Event()
     ray = FakeRay(gate=gate)
-    early = EarlyStart(ray.connect, ray.initialized)
+    early = EarlyStart(ray.connect, ray.initialized, park_s=0.05)
     ran = []
     early.begin("auto", lambda: ran.append("first loader's hosts"))
     early.begin("auto", lambda: ran.append("second loader's hosts"))
@@ -66,6 +67,26 @@ def test_the_constructor_returns_before_ray_is_up_and_iter_waits_for_it():
     assert not waiter.is_alive() and ray.up  # ... and goes on once it is done
     assert ran == ["first loader's hosts", "second loader's hosts"]  # in order, once each
     assert ray.connects[0] == "auto"
+    ray.up = False  # (ray.shutdown(): its thread ends)
+
+
+def test_the_thread_that_started_ray_lives_while_ray_runs_and_ends_after_shutdown():
+    # Ray's processes die with the *thread* that started them (PR_SET_PDEATHSIG).
+    ray = FakeRay()
+    early = EarlyStart(ray.connect, ray.initialized, park_s=0.05)
+    early.begin("auto", lambda: None)
+    early.wait("auto", 10.0)
+    assert ray.up
+    thread = early._thread
+    thread.join(0.3)
+    assert thread.is_alive()  # parked, not ended
+    ran = []
+    early.begin("auto", lambda: ran.append(threading.current_thread()))  # Ray is up now:
+    early.wait("auto", 10.0)
+    assert ran == [thread]  # the parked thread starts the next loader's hosts
+    ray.up = False
+    thread.join(5.0)
+    assert not thread.is_alive()
 
 
 def test_a_failed_start_is_raised_at_iter_for_its_address_and_starts_no_hosts():
@@ -100,6 +121,7 @@ def test_sigterm_exits_cleanly_as_ray_init_would_set_it_on_the_main_thread():
     assert callable(handler)
     with pytest.raises(SystemExit):
         handler(signal.SIGTERM, None)
+    ray.up = False
 
 
 def test_a_users_own_sigterm_handler_is_kept():
@@ -112,6 +134,7 @@ def test_a_users_own_sigterm_handler_is_kept():
     early.begin("auto", lambda: None)
     early.wait("auto", 10.0)
     assert signal.getsignal(signal.SIGTERM) is mine
+    ray.up = False
 
 
 def test_rays_warning_about_the_thread_is_dropped_and_nothing_else():
@@ -123,3 +146,52 @@ def test_rays_warning_about_the_thread_is_dropped_and_nothing_else():
     assert not quiet.filter(record("SIGTERM handler is not set because current thread "
                                    "is not the main thread."))
     assert quiet.filter(record("Started a local Ray instance."))
+
+
+def test_dpex_early_start_0_starts_nothing_before_iter(monkeypatch):
+    monkeypatch.setenv("DPEX_EARLY_START", "0")
+    ray = FakeRay()
+    early = EarlyStart(ray.connect, ray.initialized)
+    early.begin("auto", lambda: None)
+    early.wait("auto", 1.0)
+    assert ray.connects == [] and early._thread is None
+
+
+class RecordingWorld:
+    """A loader's world (client/_runtime.Runtimes) that records what the loader asks."""
+
+    def __init__(self):
+        self.prestarts = []
+
+    def prestart(self, worker_class, num_workers, remote_args, keep_s, head_address):
+        self.prestarts.append((num_workers, head_address))
+
+
+def test_a_loader_begins_the_start_when_built_and_in_a_rank_it_is_pickled_into(monkeypatch):
+    import pickle
+
+    from dpex import DpexDataLoader
+
+    world = RecordingWorld()
+    monkeypatch.setattr(DpexDataLoader, "_runtimes", world)
+    loader = DpexDataLoader(list(range(8)), distribute_mode=True, num_workers=2,
+                            head_address="127.0.0.1:1")
+    assert world.prestarts == [(2, "127.0.0.1:1")]
+    pickle.loads(pickle.dumps(loader))  # (mp.spawn, Lightning's ddp_spawn)
+    assert world.prestarts == [(2, "127.0.0.1:1")] * 2
+    DpexDataLoader(list(range(8)), distribute_mode=True, num_workers=0)
+    DpexDataLoader(list(range(8)), num_workers=2)  # (torch's own: nothing of dpex's)
+    assert len(world.prestarts) == 2
+
+
+def test_ray_still_being_imported_on_the_start_thread_is_not_connected(monkeypatch):
+    import types
+
+    from dpex.client._early import ray_connected
+
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))  # (a module partly made)
+    assert ray_connected() is False
+    done = types.ModuleType("ray")
+    done.is_initialized = lambda: True
+    monkeypatch.setitem(sys.modules, "ray", done)
+    assert ray_connected() is True

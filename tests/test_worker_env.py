@@ -100,7 +100,8 @@ def test_each_iterator_sees_the_state_of_its_own_iter_on_warm_workers(tmp_path, 
 
 
 class SqliteRows(Dataset):
-    """Holds an open sqlite3 connection (an open handle: cannot be pickled)."""
+    """Holds an open sqlite3 connection (to an in-memory database: a handle that cannot
+    travel, dpex/_handles.py)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -114,7 +115,7 @@ class SqliteRows(Dataset):
 
 
 def test_a_dataset_holding_an_open_handle_is_told_the_getstate_fix(tmp_path):
-    dataset = SqliteRows(str(tmp_path / "rows.db"))
+    dataset = SqliteRows(":memory:")
     shipped = ShippedLoader(dataset=dataset, dataset_kind=0, auto_collation=True,
                             collate_fn=None, drop_last=False, worker_init_fn=None)
     with pytest.raises(DatasetNotPicklableError) as err:

@@ -17,6 +17,7 @@ first, the loader has already joined or started Ray (README, "Example").
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -27,7 +28,9 @@ from dpex._start_trace import mark
 
 logger = logging.getLogger("dpex")
 
-__all__ = ["EARLY", "EarlyStart"]
+__all__ = ["EARLY", "EARLY_START", "EarlyStart", "ray_connected"]
+
+EARLY_START = "DPEX_EARLY_START"  # "0": nothing starts before iter()
 
 # Ray says so when ray.init() runs off the main thread; dpex sets the same handler
 # itself (see EarlyStart.begin), so the warning would only mislead.
@@ -62,7 +65,11 @@ class EarlyStart:
     def begin(self, head_address: str, then: Callable[[], None]) -> None:
         """Connect to ``head_address`` (unless Ray is connected) and then run ``then``,
         in the background (Ray's first actor start in a process takes ~0.3 s: not the
-        constructor's); never raises."""
+        constructor's); never raises. ``DPEX_EARLY_START=0``: nothing starts before
+        ``iter()`` (a launcher that builds loaders only to hand them to the ranks it
+        spawns, which start their own)."""
+        if os.environ.get(EARLY_START, "1") == "0":
+            return
         if not self._initialized() and threading.current_thread() is threading.main_thread():
             try:  # what ray.init() does on the main thread, which this start is not on
                 if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
@@ -139,9 +146,11 @@ def _connect(head_address: str) -> None:
     connect_ray(head_address)
 
 
-def _initialized() -> bool:
-    ray = sys.modules.get("ray")  # (not imported: not connected; the constructor's
-    return ray is not None and ray.is_initialized()  # check imports nothing)
+def ray_connected() -> bool:
+    """Whether this process is connected to Ray, without importing Ray: not imported, or
+    still being imported on the start thread (a module partly made), is not connected."""
+    is_initialized = getattr(sys.modules.get("ray"), "is_initialized", None)
+    return is_initialized is not None and is_initialized()
 
 
-EARLY = EarlyStart(_connect, _initialized)
+EARLY = EarlyStart(_connect, ray_connected)

@@ -21,6 +21,7 @@ from typing import Any
 import cloudpickle
 import ray
 
+from dpex._handles import describe, reduce_handle
 from dpex._loader_pickle import PickleParts
 from dpex._pickling import SHIPMENT, OutOfBandPickler
 from dpex._process_state import SHIP_ENV, TrainerState, capture, looks_secret
@@ -61,6 +62,7 @@ class _ShipPickler(OutOfBandPickler):
         super().__init__(file, buffers, SHIPMENT)
         self.refs = refs
         self.modules = {} if modules is None else modules  # of the classes and functions
+        self.reopened: list[Any] = []  # the handles each worker opens again (dpex._handles)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
@@ -69,17 +71,24 @@ class _ShipPickler(OutOfBandPickler):
             self.refs.append(obj)
             return _object_ref_in_band(obj)
         reduced = ray_handle_reducer(obj)
+        if reduced is None:
+            reduced = reduce_handle(obj)  # (HandleRefused: the error names the attribute)
+            if reduced is not None:
+                self.reopened.append(obj)
         return reduced if reduced is not None else super().reducer_override(obj)
 
 
 def _dumps(obj: Any, refs: list | None = None, buffers: list | None = None,
-           modules: dict[str, None] | None = None) -> bytes:
+           modules: dict[str, None] | None = None, reopened: list | None = None) -> bytes:
     """``obj`` pickled for a worker; the object refs in it are appended to ``refs``,
     its large buffers (out of band) to ``buffers``, the modules of its classes and
-    functions to ``modules``."""
+    functions to ``modules``, the handles each worker opens again to ``reopened``."""
     buf = io.BytesIO()
-    _ShipPickler(buf, [] if refs is None else refs,
-                 [] if buffers is None else buffers, modules).dump(obj)
+    pickler = _ShipPickler(buf, [] if refs is None else refs,
+                           [] if buffers is None else buffers, modules)
+    pickler.dump(obj)
+    if reopened is not None:
+        reopened.extend(pickler.reopened)
     return buf.getvalue()
 
 
@@ -161,7 +170,9 @@ def _spawned_script_by_value() -> Iterator[None]:
 # What cannot be pickled because it is a live handle on something of this process: an
 # open file, a database connection, a socket, a lock, a thread, an h5py/zarr store.
 _HANDLE_FIX = (
-    " If it is an open handle (a file, a database connection, a socket, a lock), do as "
+    " (dpex opens read-only files, sqlite3 databases, h5py files and LMDB environments "
+    "again in each worker itself: docs/INTEGRATIONS.md.) If it is another open handle (a "
+    "file open for writing, a database connection, a socket, a lock), do as "
     "for torch's workers under the 'spawn' start method: drop it in the class's "
     "__getstate__ (state = self.__dict__.copy(); state['{attr}'] = None; return state) "
     "and open it again in __setstate__, or open it lazily on first use in the worker "
@@ -191,6 +202,34 @@ def _say_environment(state: TrainerState) -> None:
     _logger.log(logging.WARNING if state.withheld else logging.INFO, message)
 
 
+def _handle_paths(obj: Any, path: str, wanted: dict[int, Any], found: dict[int, str],
+                  depth: int = 0) -> None:
+    """Where under ``obj`` (``path``) the objects of ``wanted`` (by id) are: the first
+    path to each, at most :data:`_MAX_DEPTH` attributes or items deep."""
+    if id(obj) in wanted:
+        found.setdefault(id(obj), path)
+        return
+    if depth < _MAX_DEPTH and len(found) < len(wanted):
+        for suffix, child in _children(obj)[:1000]:
+            _handle_paths(child, path + suffix, wanted, found, depth + 1)
+
+
+def _say_reopened(contents: ShippedLoader, reopened: list[Any]) -> None:
+    """Log, once per process for each set, which attributes each worker opens again."""
+    wanted = {id(h): h for h in reopened}
+    found: dict[int, str] = {}
+    for name in ("dataset", "collate_fn", "worker_init_fn"):
+        _handle_paths(getattr(contents, name), name, wanted, found)
+    said = tuple(f"{found.get(key, '(an attribute)')} ({describe(handle)})"
+                 for key, handle in wanted.items())
+    with _said_lock:
+        if said in _said:
+            return
+        _said.add(said)
+    _logger.info("dpex opens these handles again in each worker, each its own: %s",
+                 "; ".join(said))
+
+
 def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
                 fleet: bool = False) -> PickleParts:
     """Cloudpickle ``contents``, with this process's state (``state``, else captured now:
@@ -201,9 +240,10 @@ def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
     refs: list = []
     buffers: list = []
     modules: dict[str, None] = {}
+    reopened: list[Any] = []
     try:
         with _spawned_script_by_value():
-            loader_bytes = _dumps(contents, refs, buffers, modules)
+            loader_bytes = _dumps(contents, refs, buffers, modules, reopened)
     except Exception as exc:
         for name in ("dataset", "collate_fn", "worker_init_fn"):
             obj = getattr(contents, name)
@@ -220,5 +260,7 @@ def ship_loader(contents: ShippedLoader, state: TrainerState | None = None, *,
         raise DatasetNotPicklableError(f"cannot pickle the loader for the workers: {exc}") from exc
     state = capture(fleet=fleet) if state is None else state
     _say_environment(state)
+    if reopened:
+        _say_reopened(contents, reopened)
     return PickleParts.framed(loader_bytes, buffers, refs=refs, trainer=state.head(),
                               libraries=installed_libraries(modules))
