@@ -65,8 +65,19 @@ class _ShipPickler(OutOfBandPickler):
         self.reopened: list[Any] = []  # the handles each worker opens again (dpex._handles)
 
     def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind not in _ORDINARY:  # (most objects are: one set lookup each)
+            reduced = self._special(obj, kind)
+            if reduced is not None:
+                return reduced
+        return super().reducer_override(obj)
+
+    def _special(self, obj: Any, kind: type) -> tuple | None:
+        """A Ray ref or handle, an open handle (dpex._handles), or a class or function
+        (whose module is noted); else None, and ``kind`` is ordinary from now on."""
         if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
             self.modules[getattr(obj, "__module__", None) or ""] = None
+            return None
         if isinstance(obj, ray.ObjectRef):
             self.refs.append(obj)
             return _object_ref_in_band(obj)
@@ -75,7 +86,14 @@ class _ShipPickler(OutOfBandPickler):
             reduced = reduce_handle(obj)  # (HandleRefused: the error names the attribute)
             if reduced is not None:
                 self.reopened.append(obj)
-        return reduced if reduced is not None else super().reducer_override(obj)
+            elif not isinstance(obj, ray.actor.ActorHandle):
+                _ORDINARY.add(kind)
+        return reduced
+
+
+# Types whose objects the shipment's pickler leaves to cloudpickle (none of them a Ray
+# ref or handle, an open handle, a class or a function): judged once per type.
+_ORDINARY: set[type] = set()
 
 
 def _dumps(obj: Any, refs: list | None = None, buffers: list | None = None,
