@@ -42,26 +42,12 @@ class HandleRefused(TypeError):
     """A handle that cannot travel, and why (the shipment names the attribute)."""
 
 
-# Types that are none of the handles below: the pickler asks of every object that is not
-# a number, a string or a container, so each type is judged once. (An h5py or LMDB type
-# cannot be met before its package is imported: a type judged plain stays plain.)
-_PLAIN: set[type] = set()
-
-
 def reduce_handle(obj: Any) -> tuple | None:
     """How ``obj`` travels if it is a handle dpex reopens in each worker (a reduce
-    tuple); None if it is not one of those; :class:`HandleRefused` for one of those
-    kinds that cannot travel (open for writing, an in-memory database)."""
-    kind = type(obj)
-    if kind in _PLAIN:
-        return None
-    reduced = _reduce(obj)
-    if reduced is None:
-        _PLAIN.add(kind)
-    return reduced
-
-
-def _reduce(obj: Any) -> tuple | None:
+    tuple); None if it is not one of those (the same for every object of its type: the
+    shipment's pickler asks once per type, ``client/_shipping.py``);
+    :class:`HandleRefused` for one of those kinds that cannot travel (open for writing,
+    an in-memory database)."""
     if isinstance(obj, (io.FileIO, io.BufferedReader, io.BufferedRandom, io.BufferedWriter,
                         io.TextIOWrapper)):
         return _reduce_file(obj)

@@ -86,8 +86,8 @@ class _ShipPickler(OutOfBandPickler):
             reduced = reduce_handle(obj)  # (HandleRefused: the error names the attribute)
             if reduced is not None:
                 self.reopened.append(obj)
-            elif not isinstance(obj, ray.actor.ActorHandle):
-                _ORDINARY.add(kind)
+            else:
+                _ORDINARY.add(kind)  # (an h5py or LMDB type only exists once imported)
         return reduced
 
 

@@ -202,8 +202,10 @@ class BaseStarter:
                 return self._parent
             names = list(self._libraries)
             old, self._parent = self._parent, None
-        # Forked from the one it replaces: only what is new is imported.
-        parent = ForkBase(mp_context(), "libraries", parent=old)
+        # Forked from the one it replaces (only what is new is imported); from the
+        # forkserver if that one is gone.
+        parent = ForkBase(mp_context(), "libraries",
+                          parent=old if old is not None and old.alive() else None)
         try:
             parent.start(Parcel("\n".join(names).encode()), self._prepare(), _import_libraries,
                          watch=False)
