@@ -230,3 +230,58 @@ def test_the_libraries_a_shipment_names_are_imported_once_before_its_base():
         for base in bases:
             if base is not None:
                 base.stop()
+
+
+# -- a base whose owner is ending: its entry outlives its socket ----------------------
+
+def test_a_session_forks_from_a_base_of_its_own_when_the_found_one_refuses(tmp_path,
+                                                                          monkeypatch):
+    """The fleet shrinks: the worker that owns a node's base is stopped, its base ends
+    with it, and another worker's session finds the entry while the base's pid still
+    lives but its socket no longer listens. The session marks it gone, starts a base of
+    its own from the bytes it still holds, forks from that, and publishes it (CI failed
+    on ``ConnectionRefusedError`` before)."""
+    import asyncio
+    import json
+    import socket
+    import types
+
+    from test_session_process import worker_without_ray
+
+    from dpex.server import _actor
+
+    key = "cd" * 16
+    dead = str(tmp_path / "refusing.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(dead)  # (closed without unlinking: a connect is refused)
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / f"{key}.json").write_text(json.dumps(
+            {"pid": stand_in.pid, "address": dead, "per_worker": None, "libraries": []}))
+        worker, _ = worker_without_ray(monkeypatch)
+        worker._node = NodeBases(str(tmp_path))
+        worker._starter = BaseStarter(None, share_libraries=False, node=worker._node)
+        worker._bases = _actor.BaseCache(worker._starter.start)
+        monkeypatch.setattr(_actor, "SessionWorker", Idle)
+        spec = types.SimpleNamespace(worker_id=0, wire=None, shipment=key, namespace=None)
+        data = Parcel(bytes(shipped(list(range(1000)))))
+
+        async def fork():
+            base, child = await worker._fork_child(spec, data)
+            try:
+                return base.pid, child._proc.pid, _alive(child._proc.pid)
+            finally:
+                await worker._end_child(child, base, None)
+
+        base_pid, child_pid, ran = asyncio.run(fork())
+        assert ran and base_pid not in (None, stand_in.pid)
+        assert data.empty  # the base holds it now
+        entry = json.loads((tmp_path / f"{key}.json").read_text())
+        assert entry["pid"] == base_pid  # the next worker finds the live one
+        assert not worker._children
+    finally:
+        stand_in.kill()
+        stand_in.wait(10)
+        for held in worker._bases.held().values():
+            if held is not None:
+                held.stop()

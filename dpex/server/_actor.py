@@ -20,7 +20,7 @@ from dpex._start_trace import mark, process_started
 from dpex._version import local_versions
 from dpex.errors import WorkerStartupError
 from dpex.server._base_cache import BaseCache, BaseStarter
-from dpex.server._fork_base import ForkBase
+from dpex.server._fork_base import BaseUnsafe, ForkBase
 from dpex.server._node_bases import NodeBases
 from dpex.server._session_process import SessionProcess, SessionWorker, prestart
 
@@ -32,6 +32,8 @@ __all__ = ["DpexWorker"]
 
 logger = logging.getLogger("dpex")
 
+
+_FORK_TRIES = 3  # forks of one session's child, each from a base found alive
 
 SHARE_BASES = "DPEX_FLEET_SHARE_BASES"  # 0: each fleet worker keeps bases of its own
 
@@ -231,20 +233,7 @@ class DpexWorker:
                 use = await loop.run_in_executor(None, self._node.use, spec.shipment)
             self._bases.forget(spec.replaces)  # a changed dataset's: not kept idle
             self._starter.learn(spec.libraries)  # (its base forks from them, imported)
-            try:
-                base = await self._bases.base_for(spec.shipment, shipped)
-            except LookupError as exc:
-                raise WorkerStartupError(str(exc)) from None
-            if base is not None:
-                shipped.drop()  # the base holds it: this call keeps no view of it
-            view = self._ray_view  # (a fleet's session: its trainer's namespace)
-            if view is not None and view.namespace is None and spec.namespace is not None:
-                view = view._replace(namespace=spec.namespace)
-            child = SessionProcess(SessionWorker, spec, shipped, self.placement,
-                                   self.session_timeout, view, base)
-            with self._lock:
-                self._children.add(child)
-            await loop.run_in_executor(None, child.start)
+            base, child = await self._fork_child(spec, shipped)
             await child.wait(session.stop)
         finally:  # also when cancelled: the trainer ended the session
             self._sessions.discard(session)
@@ -253,6 +242,42 @@ class DpexWorker:
             # or the child stays listed and this worker is never idle again.
             await asyncio.shield(self._end_child(child, base, use))
         child.raise_outcome()
+
+    async def _fork_child(self, spec: WorkerSpec, shipped: Parcel
+                          ) -> tuple[ForkBase | None, SessionProcess]:
+        """The session's started child and the base it was forked from (counted as used).
+        A base that is gone when the child forks (another fleet worker's, whose owner
+        was stopped as the fleet shrank; one killed) is marked so and another started
+        from ``shipped``, which is kept until the child is forked."""
+        loop = asyncio.get_running_loop()
+        view = self._ray_view  # (a fleet's session: its trainer's namespace)
+        if view is not None and view.namespace is None and spec.namespace is not None:
+            view = view._replace(namespace=spec.namespace)
+        for attempt in range(_FORK_TRIES):
+            try:
+                base = await self._bases.base_for(spec.shipment, shipped)
+            except LookupError as exc:
+                raise WorkerStartupError(str(exc)) from None
+            child = SessionProcess(SessionWorker, spec, shipped, self.placement,
+                                   self.session_timeout, view, base)
+            with self._lock:
+                self._children.add(child)
+            try:
+                await loop.run_in_executor(None, child.start)
+                break
+            except BaseException as exc:
+                # (shielded: a cancel lands while start runs on its thread; stop waits)
+                await asyncio.shield(self._end_child(child, base, None))
+                gone = isinstance(exc, (OSError, EOFError, BaseUnsafe))
+                if not gone or base is None or attempt == _FORK_TRIES - 1:
+                    raise
+                base.mark_gone()
+                logger.info("dpex: the fork base (pid %s) of worker %s's session is gone "
+                            "(%s: %s); starting another", base.pid, spec.worker_id,
+                            type(exc).__name__, exc)
+        if base is not None:
+            shipped.drop()  # the base holds it: this call keeps no view of it
+        return base, child
 
     async def _end_child(self, child: SessionProcess | None, base: ForkBase | None,
                          use: int | None) -> None:

@@ -312,6 +312,8 @@ class ForkBase:
         self._alive: Connection | None = None
         self._server: _Server | None = None
         self._address: str | None = None
+        self._gone = False  # a fork through it failed (mark_gone)
+        self.on_gone: Callable[[], None] | None = None  # (a found base: its registry's)
         self._lock = threading.Lock()
 
     def start(self, shipped: Parcel, prepare: Callable[[], None], load: Any,
@@ -384,7 +386,17 @@ class ForkBase:
 
     def alive(self) -> bool:
         with self._lock:
-            return self._proc is not None and self._proc.is_alive()
+            return self._proc is not None and not self._gone and self._proc.is_alive()
+
+    def mark_gone(self) -> None:
+        """A fork through it failed (its socket closed, the base ending as its owner
+        did): never used again, though its pid may live on a moment; an own base is
+        let end (:meth:`stop`)."""
+        with self._lock:
+            self._gone = True
+        self.stop()
+        if self.on_gone is not None:
+            self.on_gone()
 
     def process(self, **kwargs: Any) -> Any:
         """A ``multiprocessing.Process`` to be forked from this base."""

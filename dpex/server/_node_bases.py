@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -58,11 +59,20 @@ class Published:
         self.per_worker = base.per_worker
         self.libraries = base.libraries
 
+    @property
+    def pid(self) -> int | None:
+        return self.base.pid
+
     def alive(self) -> bool:
         return self.base.alive()
 
     def process(self, **kwargs: Any) -> Any:
         return self.base.process(**kwargs)
+
+    def mark_gone(self) -> None:
+        """A fork through it failed: withdrawn from the registry, never used again."""
+        self.node._withdraw(self)
+        self.base.mark_gone()
 
     def stop(self) -> None:
         self.node.retire(self)
@@ -76,6 +86,7 @@ class NodeBases:
         self.directory = directory
         self._lock = threading.Lock()
         self._held: list[Published] = []  # retired but in use: stopped when unused
+        self._gone: set[int] = set()  # pids of found bases a fork through failed
 
     @classmethod
     def for_fleet(cls, cluster: str, fleet: str) -> NodeBases | None:
@@ -152,9 +163,17 @@ class NodeBases:
         if not isinstance(pid, int) or not isinstance(address, str) \
                 or not os.path.exists(address):
             return None
+        with self._lock:
+            if pid in self._gone:  # (ending with its owner: its entry outlived it)
+                return None
         base = ForkBase.attached(key, address, pid, entry.get("per_worker"),
                                  entry.get("libraries", []))
+        base.on_gone = functools.partial(self._mark_gone, pid)
         return base if base.alive() else None
+
+    def _mark_gone(self, pid: int) -> None:
+        with self._lock:
+            self._gone.add(pid)
 
     def _publish(self, key: str, base: ForkBase) -> None:
         path = self._path(key, ".json")
