@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import multiprocessing.context
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -232,6 +233,8 @@ class DpexDataLoader(DataLoader[T_co]):
         state = dict(self.__dict__)
         for name in ("_iterator", "_book"):
             state.pop(name, None)
+        if self._distributed and multiprocessing.context.get_spawning_popen() is not None:
+            self._world().handed_off()  # (its ranks start their own Ray and hosts)
         return state
 
     def __setstate__(self, state: dict) -> None:

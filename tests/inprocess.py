@@ -229,6 +229,9 @@ class InProcess:
     def prestart(self, *args: Any) -> None:
         pass
 
+    def handed_off(self) -> None:
+        pass
+
     def connect(self, head_address: str) -> None:
         pass
 

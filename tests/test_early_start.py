@@ -157,14 +157,96 @@ def test_dpex_early_start_0_starts_nothing_before_iter(monkeypatch):
     assert ray.connects == [] and early._thread is None
 
 
+def test_handed_off_while_ray_starts_no_hosts_start_and_the_ray_it_started_is_shut_down():
+    """mp.spawn / ddp_spawn: the launcher's loaders were pickled into ranks that start
+    their own; the launcher's early start lets its Ray go and starts no hosts."""
+    gate = threading.Event()
+    ray = FakeRay(gate=gate)
+    shut = []
+    early = EarlyStart(ray.connect, ray.initialized, park_s=0.05,
+                       shutdown=lambda: (shut.append(1), setattr(ray, "up", False)))
+    ran = []
+    early.begin("auto", lambda: ran.append("train hosts"))
+    early.begin("auto", lambda: ran.append("val hosts"))
+    early.handed_off()  # (Ray is still starting)
+    thread = early._thread
+    gate.set()
+    thread.join(5.0)
+    assert not thread.is_alive() and ran == [] and shut == [1] and not ray.up
+
+
+def test_after_an_iterator_waited_a_hand_off_changes_nothing():
+    ray = FakeRay()
+    shut = []
+    early = EarlyStart(ray.connect, ray.initialized, park_s=0.05, shutdown=lambda: shut.append(1))
+    ran = []
+    early.begin("auto", lambda: ran.append("hosts"))
+    early.wait("auto", 10.0)  # iter() in the launcher itself
+    early.handed_off()
+    thread = early._thread
+    thread.join(0.3)
+    assert thread.is_alive() and shut == [] and ran == ["hosts"]  # Ray kept, parked
+    ray.up = False
+
+
+def test_a_loader_built_after_a_hand_off_starts_again_and_iter_waits_for_the_shutdown():
+    ray = FakeRay()
+    stopping, stopped = threading.Event(), threading.Event()
+    early = EarlyStart(ray.connect, ray.initialized, park_s=0.05,
+                       shutdown=lambda: (stopping.set(), stopped.wait(10),
+                                         setattr(ray, "up", False)))
+    early.begin("auto", lambda: None)
+    early.handed_off()
+    assert stopping.wait(10)
+    waiter = threading.Thread(target=early.wait, args=("auto", 10.0))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # iter() never runs beside the shutdown
+    stopped.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and not ray.up
+    ran = []
+    early.begin("auto", lambda: ran.append("hosts"))
+    early.wait("auto", 10.0)
+    assert ran == ["hosts"] and ray.up and ray.connects == ["auto", "auto"]
+    ray.up = False
+
+
 class RecordingWorld:
     """A loader's world (client/_runtime.Runtimes) that records what the loader asks."""
 
     def __init__(self):
         self.prestarts = []
+        self.handed_off_count = 0
 
     def prestart(self, worker_class, num_workers, remote_args, keep_s, head_address):
         self.prestarts.append((num_workers, head_address))
+
+    def handed_off(self):
+        self.handed_off_count += 1
+
+
+def test_a_loader_pickled_for_a_spawned_process_hands_the_start_off(monkeypatch):
+    """Only a pickle for a process multiprocessing spawns (its Popen pickling): a
+    deepcopy or a checkpoint's pickle keeps the start."""
+    import copy
+    import multiprocessing.context
+    import pickle
+
+    from dpex import DpexDataLoader
+
+    world = RecordingWorld()
+    monkeypatch.setattr(DpexDataLoader, "_runtimes", world)
+    loader = DpexDataLoader(list(range(8)), distribute_mode=True, num_workers=2)
+    copy.deepcopy(loader)
+    pickle.dumps(loader)
+    assert world.handed_off_count == 0
+    multiprocessing.context.set_spawning_popen(object())
+    try:
+        pickle.dumps(loader)
+    finally:
+        multiprocessing.context.set_spawning_popen(None)
+    assert world.handed_off_count == 1
 
 
 def test_a_loader_begins_the_start_when_built_and_in_a_rank_it_is_pickled_into(monkeypatch):

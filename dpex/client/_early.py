@@ -54,13 +54,17 @@ class EarlyStart:
     then runs what loaders built meanwhile asked for (their hosts), in order."""
 
     def __init__(self, connect: Callable[[str], None], initialized: Callable[[], bool],
-                 park_s: float = _PARK_S) -> None:
+                 park_s: float = _PARK_S, shutdown: Callable[[], None] | None = None) -> None:
         self._connect, self._initialized, self._park_s = connect, initialized, park_s
+        self._shutdown = shutdown or _shutdown
         self._lock = threading.Condition()
         self._pending: list[tuple[str, Callable[[], None]]] = []
         self._thread: threading.Thread | None = None
         self._failed: dict[str, BaseException] = {}  # by head address, raised at iter()
         self._started_ray = False  # whether the thread connected this process to Ray
+        self._waited = False  # whether an iterator of this process waited for the start
+        self._drop_ray = False  # handed off: the Ray it connected is let go (handed_off)
+        self._dropping = False  # (an iterator's connect waits until it is)
 
     def begin(self, head_address: str, then: Callable[[], None]) -> None:
         """Connect to ``head_address`` (unless Ray is connected) and then run ``then``,
@@ -78,24 +82,51 @@ class EarlyStart:
                 pass
         with self._lock:
             self._pending.append((head_address, then))
+            self._drop_ray = False  # (a loader built after a hand-off: this one may iterate)
             self._lock.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dpex-early-start",
                                                 daemon=True)
                 self._thread.start()
 
+    def handed_off(self) -> None:
+        """This process's loaders were pickled into processes it spawns (``mp.spawn``,
+        Lightning's ``ddp_spawn``), which start their own: unless an iterator of this
+        process waited for the start, the hosts not started yet are not, and the Ray the
+        start connected is shut down once up (a launcher that only hands its loaders
+        on keeps no embedded Ray and no hosts). A loader built later starts again."""
+        with self._lock:
+            if self._waited or (self._thread is None and not self._pending):
+                return
+            self._pending = [(head, _nothing) for head, _ in self._pending]
+            self._drop_ray = True
+            self._lock.notify_all()
+        mark("handed off")
+
     def _run(self) -> None:
         while True:
             with self._lock:
                 # Parked while the Ray it connected runs (see the module's docstring);
                 # new work wakes it.
-                while not self._pending and self._started_ray and self._initialized():
+                while not self._pending and self._started_ray and self._initialized() \
+                        and not self._drop_ray:
                     self._lock.wait(self._park_s)
+                drop = not self._pending and self._drop_ray and self._started_ray
                 if not self._pending:
-                    self._thread, self._started_ray = None, False
-                    return
-                head_address, then = self._pending[0]
+                    self._drop_ray, self._dropping = False, drop
+                    if not drop:
+                        self._thread, self._started_ray = None, False
+                        return
+                head_address = self._pending[0][0] if self._pending else ""
+            if drop:
+                _quietly(self._shutdown)  # (then parked no more: Ray is not connected)
+                with self._lock:
+                    self._dropping = False
+                    self._lock.notify_all()
+                continue
             if self._joined(head_address):
+                with self._lock:
+                    then = self._pending[0][1]  # (a hand-off meanwhile made it nothing)
                 _quietly(then)
             with self._lock:
                 self._pending.pop(0)
@@ -127,7 +158,9 @@ class EarlyStart:
         what the start met connecting to ``head_address``, if Ray is still not
         connected."""
         with self._lock:
-            self._lock.wait_for(lambda: not self._pending, timeout)
+            self._waited = True
+            self._drop_ray = False
+            self._lock.wait_for(lambda: not self._pending and not self._dropping, timeout)
             failed = self._failed.pop(head_address, None)
         if failed is not None and not self._initialized():
             raise failed
@@ -137,7 +170,18 @@ def _quietly(then: Callable[[], None]) -> None:
     try:
         then()
     except Exception:  # only an early start: the iterator starts its hosts itself
-        logger.debug("dpex: could not start worker hosts early", exc_info=True)
+        logger.debug("dpex: the early start's %s failed", getattr(then, "__name__", then),
+                     exc_info=True)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _shutdown() -> None:
+    import ray
+
+    ray.shutdown()
 
 
 def _connect(head_address: str) -> None:

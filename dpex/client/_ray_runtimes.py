@@ -39,6 +39,9 @@ class RayRuntimes:
         EARLY.begin(head_address, functools.partial(
             _start_hosts, worker_class, num_workers, remote_args, keep_s))
 
+    def handed_off(self) -> None:
+        EARLY.handed_off()
+
     def connect(self, head_address: str) -> None:
         from dpex._ray_connect import connect_ray
 

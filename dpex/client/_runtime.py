@@ -74,6 +74,10 @@ class Runtimes(Protocol):
         """A loader was built: start what its first iterator will take, in the
         background (never blocks, never raises)."""
 
+    def handed_off(self) -> None:
+        """A loader was pickled into a process this one spawns (``mp.spawn``,
+        ``ddp_spawn``): what :meth:`prestart` began for an iterator here may stop."""
+
     def connect(self, head_address: str) -> None:
         """Join (or start) the cluster the workers run on."""
 
