@@ -210,7 +210,7 @@ def worker_pids(loader_name: str, it) -> set[int]:
 
 
 def run_one(loader_name: str, kind: str, workers: int, mib: int, batches: int,
-            samples: int, setup_s: float) -> dict:
+            samples: int, setup_s: float, settle_s: float = 15.0) -> dict:
     from torch.utils.data import DataLoader
 
     out: dict = {"loader": loader_name, "kind": kind, "workers": workers}
@@ -228,7 +228,7 @@ def run_one(loader_name: str, kind: str, workers: int, mib: int, batches: int,
     # would be the sampler's, in the trainer, the same for both loaders.
     kw = dict(batch_size=BATCH, num_workers=workers, persistent_workers=True)
     gc.collect()
-    settle(15.0)  # (Ray's own processes, started above, finish starting)
+    settle(settle_s)  # (Ray's own processes, started above, finish starting)
     me = os.getpid()
     # Before the loader is built: dpex starts its worker hosts then (Ray running), and
     # what they hold is the loader's.
@@ -305,11 +305,13 @@ def spawn(loader_name: str, kind: str, workers: int, args: argparse.Namespace,
     group, Ray's processes included, is killed); ``at_once``: only the first batch,
     the loader iterated as soon as it is built."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if args.ray_address:
+        env["RAY_ADDRESS"] = args.ray_address
     env.setdefault("PYTHONPATH", ROOT)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", loader_name, kind,
            str(workers), "--mib", str(args.mib), "--batches", str(args.batches),
            "--samples", "0" if at_once else str(args.samples),
-           "--setup", "0" if at_once else str(args.setup)]
+           "--setup", "0" if at_once else str(args.setup), "--settle", str(args.settle)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
     try:
@@ -451,6 +453,12 @@ def main() -> None:
     p.add_argument("--setup", type=float, default=5.0,
                    help="seconds between building the loader and iter() (the trainer's "
                         "own set-up: a model, an optimizer; 0: iterate at once)")
+    p.add_argument("--settle", type=float, default=15.0,
+                   help="at most this many seconds for the node's memory to hold still "
+                        "before the readings start (a smoke run: 1)")
+    p.add_argument("--ray-address", default="",
+                   help="every configuration joins this running Ray (default: each starts "
+                        "the embedded default of its own, as a fresh script does)")
     p.add_argument("--quick", action="store_true",
                    help="16 MiB, 1 and 2 workers, 8 batches, 3 readings (a smoke run)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "worker_cost.json"),
@@ -461,7 +469,7 @@ def main() -> None:
     if args.child:
         name, kind, n = args.child
         result = run_one(name, kind, int(n), args.mib, args.batches, args.samples,
-                         args.setup)
+                         args.setup, args.settle)
         print("RESULT " + json.dumps(result), flush=True)
         return
     if args.quick:

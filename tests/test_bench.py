@@ -8,14 +8,26 @@ import subprocess
 import sys
 
 import pytest
+import raycluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(scope="module")
+def ray_env():
+    """The benchmarks' smoke runs join one running Ray (``ray start``, this machine's
+    cores), as a user whose cluster runs does: each script's own embedded start costs
+    ~6 CPU-s here and is no part of what these runs check (the embedded default is
+    tested by the examples, the frameworks and scripts/bench_cold_start.py)."""
+    with raycluster.ray_head() as (address, env):
+        env["RAY_ADDRESS"] = address
+        yield env
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_bench_quick_run_writes_table_json_and_plot(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def test_bench_quick_run_writes_table_json_and_plot(tmp_path, ray_env):
+    env = ray_env
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--quick",
          "--scenarios", "cpu", "--out", str(tmp_path)],
@@ -35,8 +47,8 @@ def test_bench_quick_run_writes_table_json_and_plot(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_scale_model_measures_the_costs_and_finds_the_limit():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def test_scale_model_measures_the_costs_and_finds_the_limit(ray_env):
+    env = ray_env
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "scale_model.py"), "--scenario", "small",
          "--batches", "300", "--bandwidth-gbps", "10", "--max-workers", "64",
@@ -59,8 +71,8 @@ def test_scale_model_measures_the_costs_and_finds_the_limit():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_autoscale_bench_writes_its_table_and_plot(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def test_autoscale_bench_writes_its_table_and_plot(tmp_path, ray_env):
+    env = ray_env
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_autoscale.py"), "--loops", "slow",
          "--seconds", "4", "--out", str(tmp_path)],
@@ -74,8 +86,8 @@ def test_autoscale_bench_writes_its_table_and_plot(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_first_batch_bench_runs_the_alternation_for_both_loaders(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def test_first_batch_bench_runs_the_alternation_for_both_loaders(tmp_path, ray_env):
+    env = ray_env
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_first_batch.py"), "--epochs", "2",
          "--repeats", "1", "--train-batches", "4", "--val-batches", "2", "--out", str(tmp_path)],
@@ -90,8 +102,8 @@ def test_first_batch_bench_runs_the_alternation_for_both_loaders(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_bench_latency_reports_each_path_beside_raw_zeromq(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def test_bench_latency_reports_each_path_beside_raw_zeromq(tmp_path, ray_env):
+    env = ray_env
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_latency.py"), "--scenarios",
          "small", "--batches", "20", "--interval-ms", "20", "--out", str(tmp_path)],
@@ -111,8 +123,8 @@ def test_bench_latency_reports_each_path_beside_raw_zeromq(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_reshard_bench_states_the_resume_and_per_sample_costs(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def test_reshard_bench_states_the_resume_and_per_sample_costs(tmp_path, ray_env):
+    env = ray_env
     out = tmp_path / "reshard.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_reshard.py"), "--samples",
@@ -129,12 +141,13 @@ def test_reshard_bench_states_the_resume_and_per_sample_costs(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_worker_cost_bench_sets_each_loader_beside_torch(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def test_worker_cost_bench_sets_each_loader_beside_torch(tmp_path, ray_env):
+    env = ray_env
     out = tmp_path / "worker_cost.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_worker_cost.py"), "--quick",
-         "--kinds", "tensor", "--setup", "0", "--out", str(out)],  # (no head start to wait)
+         "--kinds", "tensor", "--setup", "0", "--settle", "1", "--ray-address",
+         env["RAY_ADDRESS"], "--out", str(out)],  # (no head start to wait)
         capture_output=True, text=True, timeout=380, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     for kind in ("tensor",):  # (one kind: each configuration starts a Ray of its own)
