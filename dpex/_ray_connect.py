@@ -95,7 +95,9 @@ def _start_embedded() -> None:
     takes no one else's workers with it. Workers reserve no CPUs by default, so the
     instance's size never limits them.
     """
-    ray.init(address="local", include_dashboard=False)
+    # Ray lowers its workers' priority to niceness 15 by default; dpex's workers are
+    # the trainer's data workers, as torch's forked ones (which keep its niceness).
+    ray.init(address="local", include_dashboard=False, _system_config={"worker_niceness": 0})
 
 
 def _join(address: str, named: str) -> None:

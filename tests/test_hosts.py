@@ -221,3 +221,33 @@ def test_a_resume_from_a_state_taken_right_after_iter_starts_every_worker(persis
         resumed.close()
         assert_same(got, expected)
         assert stats["dataset_fallbacks"] <= 2  # (a host that found the memfd gone)
+
+
+@pytest.mark.parametrize("remote_args", [None, {"num_cpus": 1}], ids=["host", "reserving"])
+def test_workers_run_at_the_trainers_niceness_as_torchs_forks_do(remote_args):
+    """Ray starts its workers at niceness 15: beside any work of the node at niceness 0
+    (the trainer's own threads, another job) they got ~3 % of a core, and a batch took
+    seconds (README's demo beside two busy loops: 88 s, 24 s after). dpex's workers
+    take the trainer's niceness, as torch's forked workers keep it."""
+    loader = DpexDataLoader(dsets.Niceness(), batch_size=2, num_workers=2,
+                            distribute_mode=True, ray_remote_args=remote_args)
+    rows = torch.cat(list(loader))
+    assert rows[:, 0].tolist() == list(range(8))
+    assert set(rows[:, 1].tolist()) == {os.getpriority(os.PRIO_PROCESS, 0)}
+    loader.close()
+
+
+def test_a_hosts_threads_and_the_processes_it_starts_take_the_trainers_niceness():
+    """Not only the session's loop thread: the host's own threads (which dispatch its
+    calls) and the fork bases it starts, or they wait behind the node's other work."""
+    loader = DpexDataLoader(dsets.Niceness(), batch_size=2, num_workers=1,
+                            distribute_mode=True, persistent_workers=True)
+    it = iter(loader)
+    next(it)
+    host = it.stats()["workers"][0]["pid"]
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    for pid in [host, *dsets.descendants(host)]:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                assert int(f.read().rsplit(")", 1)[1].split()[16]) == mine, (pid, tid)
+    loader.close()

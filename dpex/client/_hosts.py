@@ -8,6 +8,7 @@ host's processes ] in :mod:`dpex.server._fork_base`.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -95,7 +96,8 @@ def new_host(actor_class: Any, options: Mapping[str, Any], node: str | None,
     options = dict(options)
     if node is not None:
         options["scheduling_strategy"] = _cluster.on_node(node)
-    return actor_class.options(**options).remote(host=True, warm=keep_s > 0)
+    return actor_class.options(**options).remote(host=True, warm=keep_s > 0,
+                                                 niceness=os.getpriority(os.PRIO_PROCESS, 0))
 
 
 def options_key(options: Mapping[str, Any]) -> str:

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -180,7 +181,8 @@ class WorkerGroup:
             host = self._host(node, wait)
             self._serve(host, dataclasses.replace(spec, own_process=True), shipment, node, host)
             return
-        actor = self._actor_class.options(**self.options).remote()
+        actor = self._actor_class.options(**self.options).remote(
+            niceness=os.getpriority(os.PRIO_PROCESS, 0))
         self._serve(actor, spec, shipment, node)
 
     def _host(self, node: str | None, wait: bool) -> Any:

@@ -53,6 +53,31 @@ def _fleet_node_bases() -> NodeBases | None:
     return NodeBases.for_fleet(ctx.gcs_address, name.rsplit("/", 1)[0])
 
 
+def _take_niceness(niceness: int | None) -> None:
+    """Run every thread of this process at the trainer's ``niceness``, as torch's forked
+    workers do: Ray starts its workers at niceness 15 (``worker_niceness``) and any
+    other work of the node then starves them (a session's loop thread took the
+    trainer's before, but not this actor's threads, which dispatch its calls, nor the
+    forkserver and fork bases they start). On Linux niceness is per thread; a thread
+    started later takes its creator's. Where this process may not raise its priority
+    (no ``CAP_SYS_NICE``), it says how to start the cluster instead."""
+    if niceness is None:
+        return
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) != niceness:
+                os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+    except ProcessLookupError:
+        pass  # (a thread that ended meanwhile)
+    except OSError as exc:
+        logger.warning(
+            "dpex: this worker runs at Ray's niceness %s, below the trainer's %s, and may "
+            "not raise it (%s): other work on node %s takes its CPU first. Start the "
+            "cluster with RAY_worker_niceness=0 in the environment of `ray start` (the "
+            "embedded default does)", os.getpriority(os.PRIO_PROCESS, 0), niceness, exc,
+            os.uname().nodename)
+
+
 def _placement() -> dict:
     import ray
 
@@ -79,7 +104,7 @@ class DpexWorker:
 
     def __init__(self, session_timeout: float = 30.0, fleet: bool = False,
                  warm: bool = False, fleet_setting: dict | None = None,
-                 host: bool = False) -> None:
+                 host: bool = False, niceness: int | None = None) -> None:
         """``fleet``: a fleet worker (every session in a process of its own); ``warm``:
         a trainer's worker that may serve its later iterators (each in a process of its
         own). A fleet worker starts the forkserver those processes fork from now, in
@@ -90,11 +115,13 @@ class DpexWorker:
         (docs/WARM_WORKERS.md). ``host``: a trainer's worker host, whose sessions all
         run in processes of their own: its forkserver starts at once, as a fleet
         worker's. ``fleet_setting``: how its fleet was started (``dpex fleet scale``
-        starts more workers the same way).
+        starts more workers the same way). ``niceness``: the trainer's, which this
+        process and its sessions take (:func:`_take_niceness`).
 
         Each shipped loader its sessions serve is unpickled once, in a fork base
         (:mod:`dpex.server._fork_base`) those sessions are forked from."""
         mark("host init", started=process_started())
+        _take_niceness(niceness)  # (first: the forkserver and the sessions inherit it)
         self._forkserver: threading.Thread | None = None
         if fleet or host:  # first: the forkserver imports torch while this sets up
             self._start_forkserver()
