@@ -25,7 +25,7 @@ def test_the_examples_of_a_page_run_on_the_embedded_local_ray(page):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     for code in blocks:
         # (a limit for a hang, not a speed check: RESUME.md's resharding example starts
-        # 22 workers, 72 s alone here and 137 s beside a busy test process)
+        # 11 iterators' workers)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=220, env=env, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,7 +10,6 @@ import time
 import dsets
 import pytest
 import ray
-import torch
 
 from dpex import DatasetNotPicklableError, DpexDataLoader, WorkerStartupError
 from dpex.errors import BatchTooLargeError
@@ -153,30 +152,17 @@ def test_unreachable_ray_address_variable_is_not_replaced_by_a_local_ray():
     assert "RAY False" in proc.stdout
 
 
-@pytest.mark.subprocess
-def test_embedded_default_starts_a_local_ray_when_none_runs():
-    proc = run_python("""
-        import ray, torch
-        from dpex import DpexDataLoader
-        loader = DpexDataLoader(torch.arange(10), batch_size=4, num_workers=2,
-                                distribute_mode=True)
-        print("BATCHES", [b.tolist() for b in loader])
-        print("RAY", ray.is_initialized())
-    """, timeout=120)
-    assert "BATCHES [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]" in proc.stdout, proc.stderr[-3000:]
-    assert "RAY True" in proc.stdout
-    torch.manual_seed(0)
-
-
 FIRST_SCRIPT = """
     import os, sys, time, ray, torch
     from dpex import DpexDataLoader
-    loader = DpexDataLoader(torch.arange(10), batch_size=5, num_workers=2, distribute_mode=True)
-    assert len(list(loader)) == 2
+    loader = DpexDataLoader(torch.arange(10), batch_size=4, num_workers=2, distribute_mode=True)
+    batches = [b.tolist() for b in loader]
     print("GCS", ray.get_runtime_context().gcs_address, flush=True)
     deadline = time.monotonic() + 120
     while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
         time.sleep(0.1)
+    print("BATCHES", batches)
+    print("RAY", ray.is_initialized())
 """
 
 SECOND_SCRIPT = """
@@ -197,8 +183,10 @@ SECOND_SCRIPT = """
 
 
 @pytest.mark.subprocess
-def test_a_second_script_gets_its_own_ray_and_outlives_the_first(tmp_path):
-    """Another script's embedded Ray is not a cluster to join: it ends with that script."""
+def test_the_embedded_default_starts_ray_and_a_second_script_gets_its_own(tmp_path):
+    """With no Ray running, dpex starts a local one (the embedded default) and the
+    loader gives torch's batches; another script's embedded Ray is not a cluster to
+    join: it ends with that script, and the second outlives it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     flag, ended = str(tmp_path / "first-may-end"), str(tmp_path / "first-ended")
 
@@ -213,6 +201,9 @@ def test_a_second_script_gets_its_own_ray_and_outlives_the_first(tmp_path):
         assert line.startswith("GCS"), first.stderr.read()[-3000:]
         second = start(SECOND_SCRIPT, flag, ended)
         assert first.wait(120) == 0
+        rest = first.stdout.read()
+        assert "BATCHES [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]" in rest, first.stderr.read()[-3000:]
+        assert "RAY True" in rest
         open(ended, "w").close()
         out, err = second.communicate(timeout=150)
     finally:
