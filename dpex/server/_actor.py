@@ -34,6 +34,9 @@ logger = logging.getLogger("dpex")
 
 
 _FORK_TRIES = 3  # forks of one session's child, each from a base found alive
+# What a fork through a base that ended raises (its socket refused or unlinked, its end
+# of the pipe closed mid-fork, its pid gone); any other error is the session's own.
+_BASE_GONE = (ConnectionError, FileNotFoundError, EOFError, BaseUnsafe)
 
 SHARE_BASES = "DPEX_FLEET_SHARE_BASES"  # 0: each fleet worker keeps bases of its own
 
@@ -295,7 +298,7 @@ class DpexWorker:
             except BaseException as exc:
                 # (shielded: a cancel lands while start runs on its thread; stop waits)
                 await asyncio.shield(self._end_child(child, base, None))
-                gone = isinstance(exc, (OSError, EOFError, BaseUnsafe))
+                gone = isinstance(exc, _BASE_GONE)
                 if not gone or base is None or attempt == _FORK_TRIES - 1:
                     raise
                 base.mark_gone()
